@@ -1,0 +1,642 @@
+"""GRPO with seq / token / balanced loss aggregation, on vLLM + DeepSpeed ZeRO-3.
+
+    deepspeed train_grpo.py --agg balanced --model Qwen/Qwen2.5-Math-7B \
+        --dataset BytedTsinghua-SIA/DAPO-Math-17k --template dapo
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 train_grpo.py     # the offline demo
+
+One step, top to bottom:
+  1. rollout     every rank samples G responses for its share of the prompts with its own
+                 colocated, in-process vLLM engine;
+  2. reward      rule-based, verifiable (rewards.py);
+  3. advantage   A_i = (r_i - mean_g) / (std_g + eps) within each group of G;
+  4. aggregate   one weight w_i per response so that loss = sum_i w_i sum_t l_it over the
+                 global batch (the three rules of the paper, `aggregation_weights`);
+  5. update      PPO-clip surrogate per token, ZeRO-3 backward/step per mini-batch;
+  6. sync        gather ZeRO-3 partitions one parameter at a time into vLLM, in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.utils.checkpoint
+
+# Engines run in this process (colocated), as RL trainers use them; must precede `import vllm`.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+# -----------------------------------------------------------------------------
+# Hyperparameters. Defaults follow the DAPO recipe (clip-higher 0.2/0.28, lr 1e-6 with
+# 10 warm-up steps, no KL, 16 responses per prompt, 512 prompts per step in 16
+# mini-batches). `--model demo` switches to DEMO_DEFAULTS unless a flag is given.
+
+DEMO_DEFAULTS = dict(
+    dataset="demo", eval_dataset="demo-test", template="plain", lr=2e-4, lr_warmup_steps=0,
+    weight_decay=0.0, group_size=8, prompts_per_step=32, minibatches=1, micro_batch_size=64,
+    max_prompt_len=32, max_response_len=12, steps=40, eval_interval=10, save_interval=20,
+    eval_samples=4, eval_limit=200, output_dir="runs/demo",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", default="demo", help="HF model id or local dir; 'demo' builds the tiny offline model")
+    a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="prepared .jsonl/.parquet, HF name, or 'demo'")
+    a("--eval-dataset", default=None, help="held-out prompts scored every --eval-interval steps")
+    a("--template", default="dapo", choices=["plain", "chat", "boxed", "dapo"])
+    a("--agg", default="balanced", choices=["seq", "token", "balanced"], help="loss aggregation rule")
+    a("--group-size", type=int, default=16, help="G: responses sampled per prompt")
+    a("--prompts-per-step", type=int, default=512, help="prompts per rollout batch, over all ranks")
+    a("--minibatches", type=int, default=16, help="optimizer updates per rollout batch")
+    a("--micro-batch-size", type=int, default=4, help="responses per forward/backward per rank")
+    a("--lr", type=float, default=1e-6)
+    a("--lr-warmup-steps", type=int, default=10, help="rollout steps of linear warm-up")
+    a("--weight-decay", type=float, default=0.1)
+    a("--clip-eps-low", type=float, default=0.2)
+    a("--clip-eps-high", type=float, default=0.28)
+    a("--kl-coef", type=float, default=0.0, help="k3 KL to a frozen reference; 0 = no reference model")
+    a("--no-std-norm", action="store_true", help="A = r - mean (Dr. GRPO): do not divide by the group std")
+    a("--max-prompt-len", type=int, default=1024, help="longer prompts are dropped (counted)")
+    a("--max-response-len", type=int, default=3072)
+    a("--temperature", type=float, default=1.0)
+    a("--top-p", type=float, default=1.0)
+    a("--steps", type=int, default=500)
+    a("--eval-interval", type=int, default=25)
+    a("--eval-samples", type=int, default=8, help="k of the sampled Acc@k at evaluation")
+    a("--eval-limit", type=int, default=512, help="at most this many held-out prompts")
+    a("--save-interval", type=int, default=50)
+    a("--output-dir", default=None, help="default runs/<model>-<agg>")
+    a("--seed", type=int, default=42)
+    a("--ds-config", default=str(ROOT / "ds_config.json"))
+    a("--gradient-checkpointing", action="store_true")
+    a("--logprob-chunk", type=int, default=1024, help="tokens per lm_head chunk in log-prob computation")
+    a("--vllm-gpu-memory", type=float, default=0.5, help="CUDA only: vLLM's share of GPU memory")
+    a("--reward-workers", type=int, default=4)
+    a("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    pre, _ = p.parse_known_args(argv)
+    if pre.model == "demo":
+        p.set_defaults(**DEMO_DEFAULTS)
+    args = p.parse_args(argv)
+    if args.output_dir is None:
+        args.output_dir = f"runs/{Path(args.model).name}-{args.agg}"
+    return args
+
+
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Fail in one line, before any expensive work, on settings that cannot run."""
+    if args.group_size < 2:
+        raise ValueError("--group-size must be at least 2: group advantages compare a response with its siblings")
+    if args.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world} ranks")
+    per_rank = args.prompts_per_step // world
+    if per_rank % args.minibatches:
+        raise ValueError(
+            f"each rank's {per_rank} prompts per step do not split into --minibatches {args.minibatches}"
+        )
+    if min(args.micro_batch_size, args.steps, args.max_response_len, args.logprob_chunk) < 1:
+        raise ValueError("--micro-batch-size, --steps, --max-response-len and --logprob-chunk must be >= 1")
+    if args.model != "demo" and not os.path.isdir(args.model) and (
+        args.model.startswith((".", "/", "~")) or args.model.count("/") != 1
+    ):
+        raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir or a hub id)")
+
+
+# -----------------------------------------------------------------------------
+# GRPO: advantages and the three aggregation rules
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """A_i = (r_i - mean_g) / (std_g + eps) over each group of `group_size` consecutive responses."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def aggregation_weights(advantages: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str) -> torch.Tensor:
+    """Weights w_i with loss = sum_i w_i sum_t l_it; per group, then averaged over groups.
+
+    seq:      (1/G) sum_i (1/L_i) sum_t l_it                 -> w_i = 1 / (G L_i)
+    token:    sum_i sum_t l_it / sum_i L_i                   -> w_i = 1 / sum_g L
+    balanced: sum_{S in P,N,Z nonempty} (|S|/G) sum_{i in S} sum_t l_it / sum_{i in S} L_i
+              with P: A>0, N: A<0, Z: A=0                    -> w_i = |S_i| / (G sum_{S_i} L)
+    """
+    A = advantages.view(-1, group_size)
+    L = lengths.view(-1, group_size).to(torch.float64)
+    if agg == "seq":
+        w = 1.0 / (group_size * L)
+    elif agg == "token":
+        w = (1.0 / L.sum(dim=1, keepdim=True)).expand_as(L)
+    elif agg == "balanced":
+        w = torch.zeros_like(L)
+        for subset in (A > 0, A < 0, A == 0):
+            count = subset.sum(dim=1, keepdim=True)
+            tokens = (L * subset).sum(dim=1, keepdim=True).clamp(min=1)
+            w = torch.where(subset, count / (group_size * tokens), w)
+    else:
+        raise ValueError(f"unknown aggregation {agg!r}")
+    return (w / A.shape[0]).view(-1)  # mean over the groups of the batch
+
+
+def policy_loss_per_token(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+    ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip surrogate with clip-higher: l = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) [+ beta k3]."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    loss = -torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    stats = {
+        "clipped": ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0)),
+        "approx_kl": (ratio - 1) - log_ratio,  # k3 estimate of KL(old || new)
+    }
+    if ref_logp is not None:
+        ref_kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3 of KL(pi || ref)
+        loss = loss + kl_coef * ref_kl
+        stats["ref_kl"] = ref_kl
+    return loss, stats
+
+
+# -----------------------------------------------------------------------------
+# Per-token log-probs without a [tokens x vocab] float32 logits tensor
+
+
+def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = lm_head(hidden).float() / temperature
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def token_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    response_mask: torch.Tensor, temperature: float, chunk: int,
+) -> torch.Tensor:
+    """log pi(y_t | y_<t) for the response tokens (response_mask), flattened in row order.
+
+    The backbone runs once; lm_head + log-softmax run on `chunk` tokens at a time, and in
+    training each chunk is recomputed in backward (checkpointed), so peak memory holds one
+    chunk's logits instead of all of them.
+    """
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    predict = response_mask[:, 1:]  # position t predicts token t+1
+    h = hidden[:, :-1][predict]
+    targets = input_ids[:, 1:][predict]
+    out = []
+    for i in range(0, h.shape[0], chunk):
+        args = (model.lm_head, h[i : i + chunk], targets[i : i + chunk], temperature)
+        if torch.is_grad_enabled():
+            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(*args))
+    return torch.cat(out) if out else h.new_zeros(0)
+
+
+def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+    """Right-padded input_ids, attention_mask and response_mask for sequences prompt+response."""
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    resp = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        resp[i, p : len(s)] = True
+    return ids.to(device), attn.to(device), resp.to(device)
+
+
+# -----------------------------------------------------------------------------
+# The ZeRO-3 update on one mini-batch
+
+
+def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, world: int, device) -> dict[str, float]:
+    """Accumulate d/dtheta of sum_i w_i sum_t l_it over this rank's share of a mini-batch, then step.
+
+    `weights` already carry the global normalisation, so the rank-local losses sum to the
+    global loss. DeepSpeed averages gradients over ranks, hence the factor `world`, and
+    `scale_wrt_gas=False` stops it from also dividing by the accumulation steps: the
+    gradient is then the same for any number of ranks and any micro-batch size.
+    """
+    sums = defaultdict(float)
+    order = sorted(range(len(batch)), key=lambda i: len(batch[i]["tokens"]))  # bucket by length
+    for start in range(0, len(order), args.micro_batch_size):
+        idx = order[start : start + args.micro_batch_size]
+        mb = [batch[i] for i in idx]
+        ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
+        logp = token_logprobs(engine.module, ids, attn, resp, args.temperature, args.logprob_chunk)
+        n_tok = torch.tensor([r["length"] for r in mb], device=device)
+        per_token = lambda x: torch.repeat_interleave(x.to(device), n_tok)  # noqa: E731
+        old = torch.cat([r["old_logp"] for r in mb]).to(device) if mb[0]["old_logp"] is not None else logp.detach()
+        ref = torch.cat([r["ref_logp"] for r in mb]).to(device) if args.kl_coef > 0 else None
+        adv = per_token(torch.tensor([r["advantage"] for r in mb], dtype=logp.dtype))
+        w = per_token(weights[idx].to(logp.dtype))
+        loss_t, st = policy_loss_per_token(logp, old, adv, args.clip_eps_low, args.clip_eps_high, ref, args.kl_coef)
+        loss = (w * loss_t).sum()
+        engine.backward(loss * world, scale_wrt_gas=False)
+        engine.step()
+        sums["pg_loss"] += loss.item()
+        sums["tokens"] += logp.numel()
+        for k, v in st.items():
+            sums[k] += v.float().sum().item()
+    sums["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
+    return sums
+
+
+@torch.no_grad()
+def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
+    for start in range(0, len(rollouts), args.micro_batch_size):
+        mb = rollouts[start : start + args.micro_batch_size]
+        ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
+        lp = token_logprobs(engine.module, ids, attn, resp, args.temperature, args.logprob_chunk).float().cpu()
+        for r, x in zip(mb, lp.split([r["length"] for r in mb])):
+            r[key] = x
+
+
+# -----------------------------------------------------------------------------
+# vLLM: rollout engine and weight sync
+
+
+def make_vllm(model_path: str, args, rank: int, local_rank: int):
+    from vllm import LLM
+
+    kw = {}
+    if torch.cuda.is_available():
+        kw.update(gpu_memory_utilization=args.vllm_gpu_memory, enable_sleep_mode=True, dtype="bfloat16")
+    else:
+        kw.update(dtype="float32", enforce_eager=True)
+    return LLM(
+        model=model_path, max_model_len=args.max_prompt_len + args.max_response_len,
+        seed=args.seed + rank, tensor_parallel_size=1, **kw,
+    )
+
+
+def sync_weights_to_vllm(engine, llm) -> None:
+    """Stream the trainer's weights into vLLM in place, one gathered ZeRO-3 parameter at a time.
+
+    Each parameter is all-gathered (a collective: every rank walks the same order), handed
+    to vLLM's loader under its Hugging Face name and released before the next one, so no
+    rank ever holds a second full copy of the model.
+    """
+    import deepspeed
+
+    def weights():
+        for name, param in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                yield name, param.data
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+
+
+def sampling_seed(seed: int, step: int, prompt_index: int, group_size: int) -> int:
+    # vLLM gives the j-th of n samples seed+j, so per-prompt seeds are spaced by G.
+    return ((seed * 100_003 + step) * 1_000_003 + prompt_index) * group_size % (2**31 - group_size)
+
+
+# -----------------------------------------------------------------------------
+# Data, evaluation, checkpoints, logging
+
+
+def load_prompts(spec: str, tokenizer, args, limit: int | None = None) -> tuple[list[dict], int]:
+    """Rows with their rendered, tokenized prompt; drops (and counts) over-long prompts."""
+    from data.prepare import load_rows
+    from data.templates import render_prompt
+
+    rows, dropped = [], 0
+    for row in load_rows(spec):
+        ids = tokenizer(render_prompt(row["prompt"], args.template, tokenizer), add_special_tokens=False)["input_ids"]
+        if len(ids) > args.max_prompt_len:
+            dropped += 1
+            continue
+        rows.append({**row, "prompt_ids": ids})
+        if limit and len(rows) >= limit:
+            break
+    if not rows:
+        raise ValueError(f"dataset {spec}: no prompts left ({dropped} longer than --max-prompt-len)")
+    return rows, dropped
+
+
+def generate(llm, rows: list[dict], params: list) -> list:
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows], params, use_tqdm=False)
+
+
+def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_dir: Path) -> dict[str, float]:
+    """Greedy accuracy and sampled Acc@k on this rank's shard of the held-out prompts."""
+    import torch.distributed as dist
+    from vllm import SamplingParams
+
+    from rewards import compute_rewards
+
+    shard = rows[rank::world]
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_response_len)
+    sampled = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_response_len,
+        n=args.eval_samples, seed=sampling_seed(args.seed + 1, step, rank, args.eval_samples),
+    )
+    g_out = generate(llm, shard, [greedy] * len(shard))
+    s_out = generate(llm, shard, [sampled] * len(shard))
+    g_text = [o.outputs[0].text for o in g_out]
+    s_text = [c.text for o in s_out for c in o.outputs]
+    g_score = compute_rewards(g_text, [r.get("answer") for r in shard], [r["kind"] for r in shard], args.reward_workers)
+    k = args.eval_samples
+    s_score = compute_rewards(s_text, [r.get("answer") for r in shard for _ in range(k)],
+                              [r["kind"] for r in shard for _ in range(k)], args.reward_workers)
+    t = torch.tensor([sum(g_score), sum(s_score), len(shard), len(s_score)], dtype=torch.float64)
+    dist.all_reduce(t)
+    samples = [{"id": r["id"], "answer": r.get("answer"), "greedy": txt, "score": s}
+               for r, txt, s in zip(shard, g_text, g_score)]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, samples)
+    if rank == 0:
+        (out_dir / "eval").mkdir(parents=True, exist_ok=True)
+        with open(out_dir / "eval" / f"step_{step:06d}.jsonl", "w") as f:
+            for part in gathered:
+                for s in part:
+                    f.write(json.dumps(s) + "\n")
+    return {"eval/acc_greedy": (t[0] / t[2]).item(), f"eval/acc@{k}": (t[1] / t[3]).item()}
+
+
+def save_hf_checkpoint(engine, tokenizer, path: Path, rank: int) -> None:
+    """Hugging Face export (config, safetensors, tokenizer) that transformers and vLLM load.
+
+    Parameters are gathered one at a time; rank 0 keeps a CPU copy of each to write. The
+    directory appears under its final name only once complete.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    state = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            if rank == 0:
+                state[name] = param.data.detach().cpu().clone()
+    if rank == 0:
+        tmp = path.with_name(path.name + ".tmp")
+        engine.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, path) if not path.exists() else None
+    dist.barrier()
+
+
+def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
+    """Rank-local sums for the paper's diagnostics; reduced over ranks by the caller."""
+    m = defaultdict(float)
+    for g in range(0, len(rollouts), group_size):
+        grp = rollouts[g : g + group_size]
+        L = torch.tensor([r["length"] for r in grp], dtype=torch.float64)
+        r = torch.tensor([r["reward"] for r in grp], dtype=torch.float64)
+        adv = torch.tensor([x["advantage"] for x in grp])
+        m["groups"] += 1
+        m["length_cv"] += (L.std(unbiased=False) / L.mean()).item()  # std/mean within the group
+        m["zero_var_groups"] += float(r.std() == 0)
+        if (adv > 0).any() and (adv < 0).any():  # mixed group: positive-negative length gap
+            m["mixed_groups"] += 1
+            m["length_gap"] += (L[adv < 0].mean() - L[adv > 0].mean()).item()
+    m["responses"] = len(rollouts)
+    m["reward"] = sum(r["reward"] for r in rollouts)
+    m["correct"] = sum(r["reward"] > 0 for r in rollouts)
+    m["length"] = sum(r["length"] for r in rollouts)
+    m["truncated"] = sum(r["truncated"] for r in rollouts)
+    return m
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_args(args, world)
+    except ValueError as e:
+        sys.exit(f"train_grpo.py: error: {e}")
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531").items():
+        os.environ.setdefault(k, v)  # plain `python train_grpo.py` runs as one rank
+
+    import deepspeed
+    import torch.distributed as dist
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations import HfDeepSpeedConfig
+    from vllm import SamplingParams
+
+    from rewards import compute_rewards
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    else:  # give each rank's vLLM engine its own cores
+        per = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{local_rank * per}-{local_rank * per + per - 1}")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed)
+    out_dir = Path(args.output_dir)
+
+    try:
+        model_path = args.model
+        if model_path == "demo":
+            from data.demo import ensure_demo
+
+            if rank == 0:
+                ensure_demo()
+            dist.barrier()
+            model_path = str(ensure_demo() / "model")
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        train_rows, dropped = load_prompts(args.dataset, tokenizer, args)
+        eval_rows = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit)[0] if args.eval_dataset else []
+    except (ValueError, OSError) as e:
+        sys.exit(f"train_grpo.py: error: {str(e).splitlines()[0]}")
+
+    # DeepSpeed config: the file's optimizer/ZeRO settings, batch sizes and lr from the flags.
+    per_rank = args.prompts_per_step // world * args.group_size // args.minibatches
+    gas = math.ceil(per_rank / args.micro_batch_size)
+    ds_config = json.loads(Path(args.ds_config).read_text())
+    ds_config.update(
+        train_micro_batch_size_per_gpu=args.micro_batch_size, gradient_accumulation_steps=gas,
+        train_batch_size=args.micro_batch_size * gas * world, bf16={"enabled": cuda},
+    )
+    ds_config["optimizer"]["params"].update(lr=args.lr, weight_decay=args.weight_decay)
+    if args.lr_warmup_steps > 0:  # linear warm-up, then constant
+        ds_config.setdefault("scheduler", {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "warmup_type": "linear",
+            "warmup_num_steps": args.lr_warmup_steps * args.minibatches}})
+    dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841  (makes from_pretrained load partitioned)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=policy.parameters(), config=ds_config)
+    ref_engine = None
+    if args.kl_coef > 0:
+        ref_cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        ref_engine = deepspeed.initialize(model=ref, config=ref_cfg)[0]
+    llm = make_vllm(model_path, args, rank, local_rank)
+
+    writer = SummaryWriter(str(out_dir / "tb")) if rank == 0 else None
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
+        print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
+              f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}", flush=True)
+
+    def log(step: int, metrics: dict[str, float]) -> None:
+        if rank == 0:
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, step)
+            with open(out_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    if eval_rows:
+        ev = evaluate(llm, eval_rows, args, rank, world, 0, out_dir)
+        log(0, ev)
+        if rank == 0:
+            print("[grpo] step 0 eval: " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()), flush=True)
+
+    n_prompts = args.prompts_per_step // world
+    order = []
+    bar = tqdm(range(1, args.steps + 1), desc=f"grpo[{args.agg}]", disable=rank != 0, dynamic_ncols=True)
+    for step in bar:
+        timer = {}
+        # 1. rollout: this rank's prompts, the same global order on every rank (seeded epochs)
+        t0 = time.time()
+        while len(order) < args.prompts_per_step:
+            epoch = list(range(len(train_rows)))
+            random.Random(args.seed + len(order) + step).shuffle(epoch)
+            order += epoch
+        batch_idx, order = order[: args.prompts_per_step], order[args.prompts_per_step :]
+        mine = batch_idx[rank * n_prompts : (rank + 1) * n_prompts]
+        rows = [train_rows[i] for i in mine]
+        params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                 max_tokens=args.max_response_len,
+                                 seed=sampling_seed(args.seed, step, rank * n_prompts + j, args.group_size))
+                  for j in range(len(rows))]
+        outputs = generate(llm, rows, params)
+        if cuda:
+            llm.sleep(level=1)  # hand the KV cache back to training
+            torch.cuda.empty_cache()
+        timer["rollout"] = time.time() - t0
+
+        # 2. reward
+        t0 = time.time()
+        rollouts = [
+            {"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
+             "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids),
+             "truncated": c.finish_reason == "length", "old_logp": None}
+            for row, o in zip(rows, outputs) for c in o.outputs
+        ]
+        rstats = {}
+        scores = compute_rewards([r["text"] for r in rollouts], [r["row"].get("answer") for r in rollouts],
+                                 [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=rstats)
+        timer["reward"] = time.time() - t0
+
+        # 3. advantages and 4. aggregation weights, once per rollout batch
+        rewards = torch.tensor(scores, dtype=torch.float64)
+        adv = group_advantages(rewards, args.group_size, scale_by_std=not args.no_std_norm)
+        for r, s, a in zip(rollouts, scores, adv.tolist()):
+            r["reward"], r["advantage"] = s, a
+        lengths = torch.tensor([r["length"] for r in rollouts])
+
+        # old log-probs only when the policy moves between mini-batches; ref only with KL
+        t0 = time.time()
+        if args.minibatches > 1:
+            fill_logprobs(engine, rollouts, "old_logp", args, device)
+        if ref_engine is not None:
+            fill_logprobs(ref_engine, rollouts, "ref_logp", args, device)
+        timer["logprobs"] = time.time() - t0
+
+        # 5. update: mini-batches of whole groups; weights normalised per mini-batch
+        t0 = time.time()
+        engine.train()
+        per_mb = len(rollouts) // args.minibatches
+        sums = defaultdict(float)
+        for mb in range(args.minibatches):
+            part = rollouts[mb * per_mb : (mb + 1) * per_mb]
+            a, L = adv[mb * per_mb : (mb + 1) * per_mb], lengths[mb * per_mb : (mb + 1) * per_mb]
+            # local groups / global groups of this mini-batch: rank-local weights sum to the global mean
+            w = aggregation_weights(a, L, args.group_size, args.agg) / world
+            s = update_minibatch(engine, part, w, args, world, device)
+            for k, v in s.items():
+                sums[k] += v
+        timer["update"] = time.time() - t0
+
+        # 6. weight sync
+        t0 = time.time()
+        if cuda:
+            llm.wake_up(tags=["weights"])
+        sync_weights_to_vllm(engine, llm)
+        if cuda:
+            llm.wake_up(tags=["kv_cache"])
+        timer["sync"] = time.time() - t0
+
+        # logging: reduce rank-local sums over ranks
+        m = rollout_metrics(rollouts, args.group_size)
+        local = {**m, **sums, "timeouts": rstats.get("timeouts", 0), "errors": rstats.get("errors", 0)}
+        vals = torch.tensor(list(local.values()), dtype=torch.float64)
+        dist.all_reduce(vals)
+        tot = dict(zip(local, vals.tolist()))
+        max_len = torch.tensor([float(lengths.max())])
+        dist.all_reduce(max_len, op=dist.ReduceOp.MAX)
+        metrics = {
+            "reward/mean": tot["reward"] / tot["responses"],
+            "reward/accuracy": tot["correct"] / tot["responses"],
+            "loss/pg": tot["pg_loss"] / args.minibatches,
+            "loss/clip_frac": tot["clipped"] / tot["tokens"],
+            "loss/approx_kl": tot["approx_kl"] / tot["tokens"],
+            "loss/grad_norm": tot["grad_norm"] / world / args.minibatches,
+            "lr": engine.get_lr()[0],
+            "length/mean": tot["length"] / tot["responses"],
+            "length/max": max_len.item(),
+            "length/cv": tot["length_cv"] / tot["groups"],
+            "length/pos_neg_gap": tot["length_gap"] / tot["mixed_groups"] if tot["mixed_groups"] else 0.0,
+            "groups/zero_var_share": tot["zero_var_groups"] / tot["groups"],
+            "length/truncation_rate": tot["truncated"] / tot["responses"],
+            "reward/timeouts": tot["timeouts"],
+            "reward/errors": tot["errors"],
+            **{f"time/{k}": v for k, v in timer.items()},
+        }
+        if ref_engine is not None:
+            metrics["loss/ref_kl"] = tot["ref_kl"] / tot["tokens"]
+
+        if eval_rows and (step % args.eval_interval == 0 or step == args.steps):
+            metrics.update(evaluate(llm, eval_rows, args, rank, world, step, out_dir))
+        log(step, metrics)
+        bar.set_postfix(acc=f"{metrics['reward/accuracy']:.3f}", pg=f"{metrics['loss/pg']:+.4f}",
+                        len=f"{metrics['length/mean']:.0f}", refresh=False)
+        if step % args.save_interval == 0 or step == args.steps:
+            save_hf_checkpoint(engine, tokenizer, out_dir / "checkpoints" / f"step_{step:06d}", rank)
+
+    if rank == 0:
+        final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        print("[grpo] done: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()), flush=True)
+        writer.close()
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
