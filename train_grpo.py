@@ -187,7 +187,7 @@ def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: tor
 
 
 def token_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    engine, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     response_mask: torch.Tensor, temperature: float, chunk: int,
 ) -> torch.Tensor:
     """log pi(y_t | y_<t) for the response tokens (response_mask), flattened in row order.
@@ -196,18 +196,33 @@ def token_logprobs(
     training each chunk is recomputed in backward (checkpointed), so peak memory holds one
     chunk's logits instead of all of them.
     """
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    # The forward goes through the DeepSpeed engine (ZeRO-3 gradient accumulation is
+    # book-kept there) with logits_to_keep=[] so that the model skips its own lm_head; the
+    # backbone's final hidden states are caught on the way out.
+    model, caught = engine.module, []
+    hook = model.get_decoder().register_forward_hook(lambda m, i, out: caught.append(out.last_hidden_state))
+    try:
+        engine(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+               logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+    finally:
+        hook.remove()
+    hidden = caught[0]
     predict = response_mask[:, 1:]  # position t predicts token t+1
     h = hidden[:, :-1][predict]
     targets = input_ids[:, 1:][predict]
+    # ZeRO-3 all-gathers lm_head at every call (and again at every recompute in backward),
+    # so all ranks must make the same number of calls: agree on the chunk count.
+    n_chunks = torch.tensor([max(1, math.ceil(h.shape[0] / chunk))], device=h.device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(n_chunks, op=torch.distributed.ReduceOp.MAX)
     out = []
-    for i in range(0, h.shape[0], chunk):
-        args = (model.lm_head, h[i : i + chunk], targets[i : i + chunk], temperature)
+    for h_c, t_c in zip(h.tensor_split(int(n_chunks)), targets.tensor_split(int(n_chunks))):
         if torch.is_grad_enabled():
-            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            out.append(torch.utils.checkpoint.checkpoint(
+                _chunk_logprobs, model.lm_head, h_c, t_c, temperature, use_reentrant=False))
         else:
-            out.append(_chunk_logprobs(*args))
-    return torch.cat(out) if out else h.new_zeros(0)
+            out.append(_chunk_logprobs(model.lm_head, h_c, t_c, temperature))
+    return torch.cat(out)
 
 
 def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device) -> tuple[torch.Tensor, ...]:
@@ -241,7 +256,7 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, wor
         idx = order[start : start + args.micro_batch_size]
         mb = [batch[i] for i in idx]
         ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
-        logp = token_logprobs(engine.module, ids, attn, resp, args.temperature, args.logprob_chunk)
+        logp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk)
         n_tok = torch.tensor([r["length"] for r in mb], device=device)
         per_token = lambda x: torch.repeat_interleave(x.to(device), n_tok)  # noqa: E731
         old = torch.cat([r["old_logp"] for r in mb]).to(device) if mb[0]["old_logp"] is not None else logp.detach()
@@ -265,7 +280,7 @@ def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
     for start in range(0, len(rollouts), args.micro_batch_size):
         mb = rollouts[start : start + args.micro_batch_size]
         ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
-        lp = token_logprobs(engine.module, ids, attn, resp, args.temperature, args.logprob_chunk).float().cpu()
+        lp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk).float().cpu()
         for r, x in zip(mb, lp.split([r["length"] for r in mb])):
             r[key] = x
 
@@ -303,6 +318,16 @@ def sync_weights_to_vllm(engine, llm) -> None:
                 yield name, param.data
 
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+    if not torch.cuda.is_available():
+        llm.apply_model(_repack_cpu_lm_head)
+
+
+def _repack_cpu_lm_head(model: torch.nn.Module) -> None:
+    # vLLM's CPU backend pre-packs every GEMM weight, lm_head's too. With tied embeddings the
+    # reload only touches embed_tokens, leaving lm_head's packed copy stale: repack it.
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is not None and hasattr(lm_head, "quant_method"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
 def sampling_seed(seed: int, step: int, prompt_index: int, group_size: int) -> int:
@@ -399,7 +424,7 @@ def save_hf_checkpoint(engine, tokenizer, path: Path, rank: int) -> None:
 
 def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
     """Rank-local sums for the paper's diagnostics; reduced over ranks by the caller."""
-    m = defaultdict(float)
+    m = dict.fromkeys(["groups", "length_cv", "zero_var_groups", "mixed_groups", "length_gap"], 0.0)
     for g in range(0, len(rollouts), group_size):
         grp = rollouts[g : g + group_size]
         L = torch.tensor([r["length"] for r in grp], dtype=torch.float64)
@@ -597,6 +622,7 @@ def main(argv: list[str] | None = None) -> None:
         # logging: reduce rank-local sums over ranks
         m = rollout_metrics(rollouts, args.group_size)
         local = {**m, **sums, "timeouts": rstats.get("timeouts", 0), "errors": rstats.get("errors", 0)}
+        local = dict(sorted(local.items()))  # the same keys in the same order on every rank
         vals = torch.tensor(list(local.values()), dtype=torch.float64)
         dist.all_reduce(vals)
         tot = dict(zip(local, vals.tolist()))

@@ -1,0 +1,89 @@
+"""aggregation_weights, group_advantages and the surrogate against hand-computed values."""
+
+import pytest
+import torch
+
+from train_grpo import aggregation_weights, group_advantages, policy_loss_per_token
+
+F = lambda *x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+
+
+def test_hand_computed_weights_one_group():
+    adv, L = F(1, 1, -1, -1), torch.tensor([2, 4, 6, 8])
+    torch.testing.assert_close(aggregation_weights(adv, L, 4, "seq"), F(1 / 8, 1 / 16, 1 / 24, 1 / 32))
+    torch.testing.assert_close(aggregation_weights(adv, L, 4, "token"), F(1 / 20, 1 / 20, 1 / 20, 1 / 20))
+    # P = {0,1}: |P|/G / (2+4) = 1/12;  N = {2,3}: |N|/G / (6+8) = 1/28
+    torch.testing.assert_close(aggregation_weights(adv, L, 4, "balanced"), F(1 / 12, 1 / 12, 1 / 28, 1 / 28))
+
+
+def test_balanced_with_zero_advantage_subset_and_group_mean():
+    # group 1: P={0}, Z={1,3}, N={2}; group 2: all zero advantage -> one subset Z
+    adv = F(1, 0, -1, 0, 0, 0, 0, 0)
+    L = torch.tensor([2, 4, 6, 8, 1, 1, 1, 1])
+    w = aggregation_weights(adv, L, 4, "balanced")
+    # 1/(4*2), Z: 2/(4*(4+8)), N: 1/(4*6); group 2: 4/(4*4) each; then / 2 groups
+    torch.testing.assert_close(w, F(1 / 8, 1 / 24, 1 / 24, 1 / 24, 1 / 4, 1 / 4, 1 / 4, 1 / 4) / 2)
+
+
+@pytest.mark.parametrize("agg", ["seq", "token", "balanced"])
+def test_weights_sum_to_one_per_group_average(agg):
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(6 * 5, generator=g, dtype=torch.float64)
+    L = torch.randint(1, 50, (30,), generator=g)
+    w = aggregation_weights(adv, L, 5, agg)
+    # each rule is a weighted mean of token terms: the weights of all tokens sum to 1
+    assert (w * L).sum().item() == pytest.approx(1.0)
+
+
+def test_all_rules_coincide_when_lengths_are_equal():
+    adv = F(1.5, -0.5, -0.5, -0.5, 0.0, 0.0, 1.0, -1.0)
+    L = torch.full((8,), 7)
+    seq = aggregation_weights(adv, L, 4, "seq")
+    torch.testing.assert_close(aggregation_weights(adv, L, 4, "token"), seq)
+    torch.testing.assert_close(aggregation_weights(adv, L, 4, "balanced"), seq)
+
+
+def test_group_advantages():
+    r = F(1, 0, 0, 0, 1, 1, 1, 1)
+    adv = group_advantages(r, 4)
+    std = torch.tensor([1.0, 0, 0, 0]).std().item()
+    torch.testing.assert_close(adv[:4], F(0.75, -0.25, -0.25, -0.25) / (std + 1e-6))
+    assert adv[4:].abs().max() == 0  # zero-variance group carries no signal
+    torch.testing.assert_close(group_advantages(r, 4, scale_by_std=False)[:4], F(0.75, -0.25, -0.25, -0.25))
+
+
+def pg_loss_at_ratio_one(rewards, lengths, agg, group_size):
+    """The aggregated surrogate sum_i w_i sum_t l_it with the policy equal to the old policy."""
+    adv = group_advantages(rewards, group_size)
+    w = aggregation_weights(adv, lengths, group_size, agg)
+    per_tok_adv = torch.repeat_interleave(adv, lengths)
+    logp = torch.randn(int(lengths.sum()), dtype=torch.float64)
+    loss_t, _ = policy_loss_per_token(logp, logp, per_tok_adv, 0.2, 0.28)
+    return (torch.repeat_interleave(w, lengths) * loss_t).sum().item()
+
+
+def test_sign_length_coupling_figure_2():
+    # binary rewards, failed responses longer than successful ones
+    g = torch.Generator().manual_seed(1)
+    rewards = (torch.rand(64 * 8, generator=g) < 0.4).double()
+    lengths = torch.where(rewards > 0, torch.randint(50, 150, (512,), generator=g),
+                          torch.randint(200, 400, (512,), generator=g))
+    assert pg_loss_at_ratio_one(rewards, lengths, "seq", 8) == pytest.approx(0.0, abs=1e-12)
+    assert pg_loss_at_ratio_one(rewards, lengths, "balanced", 8) == pytest.approx(0.0, abs=1e-12)
+    token = pg_loss_at_ratio_one(rewards, lengths, "token", 8)
+    assert token > 0.1  # negative-advantage terms dominate: the loss sits well above zero
+
+
+def test_clip_higher_surrogate():
+    logp = torch.log(F(1.5, 0.5, 1.1, 0.7))
+    old = torch.zeros(4, dtype=torch.float64)
+    adv = F(1, -1, 1, -1)
+    loss, st = policy_loss_per_token(logp, old, adv, 0.2, 0.28)
+    # ratio 1.5 > 1.28 with A>0 -> clipped at 1.28; ratio 0.5 < 0.8 with A<0 -> clipped at 0.8
+    torch.testing.assert_close(loss, F(-1.28, 0.8, -1.1, 0.8))
+    assert st["clipped"].tolist() == [True, True, False, True]
+
+
+def test_unknown_rule_is_rejected():
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        aggregation_weights(F(1, -1), torch.tensor([1, 2]), 2, "median")
