@@ -358,6 +358,11 @@ def load_prompts(spec: str, tokenizer, args, limit: int | None = None) -> tuple[
     return rows, dropped
 
 
+def reference(row: dict):
+    """What a response is scored against: the answer (math) or the tests (code)."""
+    return row["answer"] if row["kind"] == "math" else row["tests"]
+
+
 def generate(llm, rows: list[dict], params: list) -> list:
     from vllm.inputs import TokensPrompt
 
@@ -381,9 +386,9 @@ def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_
     s_out = generate(llm, shard, [sampled] * len(shard))
     g_text = [o.outputs[0].text for o in g_out]
     s_text = [c.text for o in s_out for c in o.outputs]
-    g_score = compute_rewards(g_text, [r.get("answer") for r in shard], [r["kind"] for r in shard], args.reward_workers)
+    g_score = compute_rewards(g_text, [reference(r) for r in shard], [r["kind"] for r in shard], args.reward_workers)
     k = args.eval_samples
-    s_score = compute_rewards(s_text, [r.get("answer") for r in shard for _ in range(k)],
+    s_score = compute_rewards(s_text, [reference(r) for r in shard for _ in range(k)],
                               [r["kind"] for r in shard for _ in range(k)], args.reward_workers)
     t = torch.tensor([sum(g_score), sum(s_score), len(shard), len(s_score)], dtype=torch.float64)
     dist.all_reduce(t)
@@ -576,7 +581,7 @@ def main(argv: list[str] | None = None) -> None:
             for row, o in zip(rows, outputs) for c in o.outputs
         ]
         rstats = {}
-        scores = compute_rewards([r["text"] for r in rollouts], [r["row"].get("answer") for r in rollouts],
+        scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
                                  [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=rstats)
         timer["reward"] = time.time() - t0
 

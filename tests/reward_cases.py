@@ -1,0 +1,31 @@
+"""Benchmark-derived (response, reference) cases for the math reward tests.
+
+Each math file of ../shared/benchmarks gives, per row, a response that should score 1 against
+its own answer and 0 against a different problem's (different) answer. Where the source has a
+worked solution it is the response; otherwise the answer is written in the format the training
+sets use (\\boxed{} or DAPO's `Answer:` line).
+"""
+
+import json
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"
+FILES = ["math500", "aime24", "amc23", "gsm8k_test", "dapo_math_17k_sample", "dapo_aime24_prompts"]
+
+
+def response_for(row: dict) -> str:
+    sol = row.get("solution")
+    if row["source"].startswith("gsm8k") and sol:
+        body, _, final = sol.rpartition("####")
+        return body + "Answer: " + final.strip()
+    if sol and "\\boxed" in sol:
+        return sol
+    if row["source"].startswith("dapo"):
+        return "Let me work through it.\n\nAnswer: " + row["answer"]
+    return "Reasoning omitted. The final answer is $\\boxed{" + row["answer"] + "}$."
+
+
+def cases(name: str, limit: int | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in (BENCHMARKS / f"{name}.jsonl").read_text().splitlines()]
+    rows = rows[:limit] if limit else rows
+    return [{"id": r["id"], "response": response_for(r), "answer": r["answer"]} for r in rows]

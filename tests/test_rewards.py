@@ -1,0 +1,264 @@
+"""rewards.py on real benchmark data, on hostile code and on adversarial strings."""
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reward_cases import BENCHMARKS, FILES, cases
+
+import rewards
+from rewards import code_reward, compute_rewards, extract_answer, math_reward, normalize
+
+ROOT = Path(__file__).resolve().parent.parent
+KNOWN = json.loads((Path(__file__).parent / "data" / "reward_known_failures.json").read_text())
+
+
+# -- math: extraction -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    ("so $\\boxed{\\frac{a}{b^{2}}}$ done", "\\frac{a}{b^{2}}"),
+    ("first \\boxed{1} then \\boxed{2}", "2"),
+    ("\\fbox{7}", "7"),
+    ("hence \\boxed 12$.", "12"),
+    ("\\boxed {3}", "3"),
+    ("work\nAnswer: 42\nmore\nAnswer: $-3$", "$-3$"),
+    ("**Answer:** 17", "17"),
+    ("\\boxed{unbalanced", None),
+    ("no final answer here", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("response,answer,score", [
+    ("\\boxed{\\dfrac{17}{50}}", "0.34", 1.0),
+    ("\\boxed{1,450,000}", "1450000", 1.0),
+    ("\\boxed{10080}", "10,\\!080", 1.0),
+    ("Answer: 25", "025", 1.0),
+    ("\\boxed{27}", "27.0", 1.0),
+    ("\\boxed{(3,4]}", "(3,4]", 1.0),
+    ("\\boxed{[3,4]}", "(3,4]", 0.0),
+    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "(3,\\frac{\\pi}{2})", 1.0),
+    ("\\boxed{90}", "90^\\circ", 1.0),
+    ("\\boxed{\\text{east}}", "\\text{east}", 1.0),
+    ("\\boxed{1+\\sqrt{19}, 1-\\sqrt{19}}", "1 \\pm \\sqrt{19}", 1.0),
+    ("\\boxed{\\frac{1}{3}}", "0.33", 0.0),
+    ("\\boxed{}", "0", 0.0),
+])
+def test_math_equivalence(response, answer, score):
+    assert math_reward(response, answer) == score
+
+
+# -- math: real benchmark files ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", FILES)
+def test_benchmark_answers(name):
+    """Own worked solution -> correct for >= 99%; another row's (different) answer -> <= 1%."""
+    cs = cases(name, 400 if name == "gsm8k_test" else None)
+    n = len(cs)
+    responses = [c["response"] for c in cs]
+    own = compute_rewards(responses, [c["answer"] for c in cs], ["math"] * n, num_workers=2)
+    other = [cs[(i + 1) % n]["answer"] for i in range(n)]
+    cross = compute_rewards(responses, other, ["math"] * n, num_workers=2)
+    differs = [normalize(cs[i]["answer"]) != normalize(other[i]) for i in range(n)]
+    misses = {cs[i]["id"] for i in range(n) if own[i] != 1.0}
+    false_pos = {cs[i]["id"] for i in range(n) if differs[i] and cross[i] == 1.0}
+    assert 1 - len(misses) / n >= 0.99
+    assert len(false_pos) / sum(differs) <= 0.01
+    known = KNOWN[name]
+    assert misses == {k["id"] for k in known if k["case"] == "own"}
+    assert false_pos == {k["id"] for k in known if k["case"] == "cross"}
+
+
+# -- math: pathological and fuzzed input -----------------------------------------------------------
+
+PATHOLOGICAL = [
+    "\\boxed{10^{10^{10^{10}}}}",
+    "\\boxed{" + "{" * 100_000 + "1" + "}" * 100_000 + "}",
+    "x" * 1_000_000 + "\\boxed{2}",
+    "\\boxed{" + "9" * 5000 + "!}",
+    "\\boxed{\\int_0^{\\infty} e^{-x^{x^{x}}} dx}",
+]
+
+
+def test_pathological_responses_never_block_the_batch():
+    responses = PATHOLOGICAL + ["\\boxed{2}", "Answer: 3"]
+    stats = {}
+    t0 = time.time()
+    scores = compute_rewards(responses, ["2"] * len(PATHOLOGICAL) + ["2", "3"], ["math"] * len(responses),
+                             num_workers=2, stats=stats)
+    elapsed = time.time() - t0
+    assert scores[-2:] == [1.0, 1.0]  # the well-formed ones are still scored
+    assert scores[0] == 0.0 and scores[1] == 0.0 and scores[3] == 0.0
+    assert scores[2] == 1.0  # a long response with a valid final answer is fine
+    # every item is bounded by its hard limit; with 2 workers the batch ends well inside
+    assert elapsed < len(responses) * (2 * rewards.MATH_TIMEOUT_S + 1) / 2 + 10, stats
+
+
+def test_hard_timeout_kills_a_stuck_worker(clean_machine):
+    loop = "```python\nwhile True:\n    pass\n```"
+    tests = {"stdio": [{"input": "", "output": "x"}]}
+    stats = {}
+    t0 = time.time()
+    scores = compute_rewards([loop, loop, "\\boxed{2}"], [tests, tests, "2"], ["code", "code", "math"],
+                             num_workers=2, stats=stats, timeout=1.5)
+    assert scores == [0.0, 0.0, 1.0] and stats["timeouts"] == 2
+    assert time.time() - t0 < 10  # killed at 1.5 s, not at the sandbox's own 10 s limit
+    assert compute_rewards(["\\boxed{2}"] * 2, ["2"] * 2, ["math"] * 2, num_workers=2) == [1.0, 1.0]
+
+
+adversarial = st.one_of(
+    st.text(max_size=300),
+    st.text(alphabet="\\{}$^_boxedfracAnswer:0123456789.,()[] \n", max_size=300),
+    st.builds(lambda a, b: f"\\boxed{{{a}}}{b}", st.text(max_size=80), st.text(max_size=40)),
+    st.builds(lambda a: f"Answer: {a}", st.text(max_size=120)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(response=adversarial, answer=st.one_of(st.text(max_size=40), st.sampled_from(["2", "\\frac{1}{2}", "(3,4]"])))
+def test_math_reward_fuzz(response, answer):
+    t0 = time.time()
+    score = math_reward(response, answer)
+    assert score in (0.0, 1.0)
+    assert time.time() - t0 < 2 * rewards.MATH_TIMEOUT_S + 1
+
+
+# -- code: benchmarks ------------------------------------------------------------------------------
+
+def humaneval():
+    return [json.loads(line) for line in (BENCHMARKS / "humaneval.jsonl").read_text().splitlines()]
+
+
+def fenced(code: str) -> str:
+    return f"Here is my solution.\n```python\n{code}\n```\n"
+
+
+def test_humaneval_canonical_solutions_pass_and_wrong_bodies_fail():
+    rows = humaneval()
+    tests = [{"test": r["test"], "entry_point": r["entry_point"]} for r in rows]
+    good = compute_rewards([fenced(r["prompt"] + r["canonical_solution"]) for r in rows], tests,
+                           ["code"] * len(rows), num_workers=2)
+    failed = [r["task_id"] for r, s in zip(rows, good) if s != 1.0]
+    assert not failed
+    some = rows[:20]
+    empty = compute_rewards([fenced(r["prompt"] + "    pass\n") for r in some], tests[:20], ["code"] * 20, 2)
+    none = compute_rewards(["I cannot write code."] * 20, tests[:20], ["code"] * 20, 2)
+    assert sum(empty) == 0 and sum(none) == 0
+
+
+ADD_TESTS = {"stdio": [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6"}]}
+
+
+def test_stdio_tests_pass_fraction_and_whitespace():
+    assert code_reward(fenced("a, b = map(int, input().split())\nprint(a + b, ' ')"), ADD_TESTS) == 1.0
+    assert code_reward(fenced("print(3)"), ADD_TESTS) == 0.5  # the expected output of one case, unsolved
+    assert code_reward(fenced("print(3)"), ADD_TESTS, binary=True) == 0.0
+    assert code_reward("```python\nprint(\n```", ADD_TESTS) == 0.0  # syntax error
+
+
+# -- code: hostile programs -------------------------------------------------------------------------
+
+FULL_ISOLATION = rewards.sandbox_mode() == "bwrap" or rewards._sandbox_uid(rewards.sandbox_mode()) >= 0
+needs_isolation = pytest.mark.skipif(not FULL_ISOLATION, reason="no bubblewrap and cannot drop privileges here")
+ECHO_TEST = {"test": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "f"}
+
+
+def sandbox_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "uid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split()[0] == str(rewards.SANDBOX_UID)]
+
+
+@pytest.fixture
+def clean_machine():
+    before = set(os.listdir("/tmp"))
+    yield
+    time.sleep(0.2)
+    assert not sandbox_processes()
+    assert not {f for f in set(os.listdir("/tmp")) - before if f.startswith("reward-")}
+    for pool_dir in Path("/tmp").glob("rewards-pool-*"):  # sandboxes of the batch workers
+        assert not any(pool_dir.iterdir())
+
+
+def hostile(code: str, tests=None, timeout: float = 3.0) -> tuple[float, float]:
+    t0 = time.time()
+    score = code_reward(fenced(code), tests or {"stdio": [{"input": "", "output": "ok"}]}, timeout=timeout)
+    return score, time.time() - t0
+
+
+def test_infinite_loop(clean_machine):
+    score, secs = hostile("while True:\n    pass")
+    assert score == 0.0 and secs < 3.0 + 5
+
+
+@needs_isolation
+def test_fork_bomb(clean_machine):
+    score, secs = hostile("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    assert score == 0.0 and secs < 3.0 + 5
+
+
+def test_ten_gigabyte_allocation(clean_machine):
+    score, secs = hostile("x = bytearray(10 * 1024 ** 3)\nprint('ok')")
+    assert score == 0.0 and secs < 3.0 + 5
+
+
+@needs_isolation
+def test_write_outside_temp_dir(clean_machine, tmp_path):
+    targets = [tmp_path / "pwned.txt", ROOT / "pwned.txt", Path.home() / "pwned.txt"]
+    code = "".join(f"try:\n    open({str(t)!r}, 'w').write('x')\nexcept Exception:\n    pass\n" for t in targets)
+    hostile(code + "print('ok')")
+    assert not any(t.exists() for t in targets)
+
+
+@needs_isolation
+def test_delete_file_outside_temp_dir(clean_machine, tmp_path):
+    keep = tmp_path / "keep.txt"
+    keep.write_text("precious")
+    score, _ = hostile(f"import os\nos.remove({str(keep)!r})\nprint('ok')")
+    assert keep.read_text() == "precious" and score == 0.0
+
+
+@needs_isolation
+def test_environment_secret_is_not_readable(clean_machine, monkeypatch):
+    monkeypatch.setenv("GRPO_TEST_SECRET", "s3cr3t-value")
+    code = ("import os\nv = os.environ.get('GRPO_TEST_SECRET', '')\n"
+            f"try:\n    v += open('/proc/{os.getpid()}/environ').read()\nexcept Exception:\n    pass\n"
+            "print('ok' if 's3cr3t-value' in v else 'no')")
+    assert hostile(code)[0] == 0.0
+
+
+@needs_isolation
+def test_no_network(clean_machine):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(6)
+    port = server.getsockname()[1]
+    got = []
+    threading.Thread(target=lambda: got.append(server.accept()), daemon=True).start()
+    code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('ok')"
+    score, _ = hostile(code)
+    time.sleep(0.5)
+    server.close()
+    assert score == 0.0 and not got
+
+
+@needs_isolation
+def test_cannot_kill_the_parent(clean_machine):
+    code = (f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}):\n    try:\n"
+            "        os.kill(pid, signal.SIGKILL)\n    except Exception:\n        pass\nprint('ok')")
+    hostile(code)
+    assert os.getpid() > 0  # still alive to assert anything at all
+
+
+def test_exit_before_tests_does_not_pass(clean_machine):
+    assert hostile("import sys\nsys.exit(0)\ndef f():\n    return 1", ECHO_TEST)[0] == 0.0
+    assert hostile("import os\nprint('PASS')\nos._exit(0)", ECHO_TEST)[0] == 0.0
+    assert hostile("def f():\n    return 1", ECHO_TEST)[0] == 1.0  # and a real solution does pass
