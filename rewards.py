@@ -289,9 +289,11 @@ def code_reward(response: str, tests: dict | str, binary: bool = False, timeout:
             nonce = secrets.token_hex(16)
             harness = (
                 "import sys\n_n = sys.stdin.readline().strip()\nsys.stdin = open('/dev/null')\n"
-                f"_ns = {{'__name__': 'solution'}}\nexec(compile({code!r}, 'solution.py', 'exec'), _ns)\n"
+                f"_ns = {{'__name__': 'solution'}}\nexec({tests.get('prelude', '')!r}, _ns)\n"
+                f"exec(compile({code!r}, 'solution.py', 'exec'), _ns)\n"
+                f"_f = _ns[{tests['entry_point']!r}]\n"  # before the tests' own names can shadow it
                 f"exec(compile({tests['test']!r}, 'test.py', 'exec'), _ns)\n"
-                f"_ns['check'](_ns[{tests['entry_point']!r}])\nprint(_n, flush=True)\n"
+                f"_ns['check'](_f)\nprint(_n, flush=True)\n"
             )
             rc, out, timed_out = run_sandboxed(harness, nonce + "\n", timeout)
             score = float(rc == 0 and not timed_out and out.strip().endswith(nonce))

@@ -317,7 +317,13 @@ def sync_weights_to_vllm(engine, llm) -> None:
             with deepspeed.zero.GatheredParameters([param]):
                 yield name, param.data
 
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+    load_weights_into_vllm(llm, weights_iterator=weights())
+
+
+def load_weights_into_vllm(llm, weights_iterator=None, weights_path: str | None = None) -> None:
+    """vLLM's in-place reload, from (HF name, tensor) pairs or from a checkpoint directory."""
+    kwargs = {"weights_iterator": weights_iterator} if weights_iterator is not None else {"weights_path": weights_path}
+    llm.collective_rpc("reload_weights", kwargs=kwargs)
     if not torch.cuda.is_available():
         llm.apply_model(_repack_cpu_lm_head)
 

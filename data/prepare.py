@@ -1,42 +1,122 @@
-"""Datasets in one prepared format: JSON Lines rows with
-`id`, `source`, `kind` ("math" | "code"), `prompt`, and `answer` (math) or `tests` (code).
+"""Datasets in one prepared format, shared by train_grpo.py and evaluate.py.
 
-`load_rows(spec)` is what the trainer and evaluation call. `spec` is
-  demo / demo-test            the offline demo task (data/demo.py),
-  a .jsonl / .json / .parquet file already in the prepared format,
-  a Hugging Face dataset name that CONVERTERS knows (downloaded through `datasets`).
+A prepared file is JSON Lines, one problem a row:
+    id, source, kind ("math" | "code"), prompt, and answer (math) or tests (code)
+`prompt` is the problem as the user asks it; data/templates.py decides how the model sees it.
+Code `tests` are what rewards.code_reward takes: {"test", "entry_point"[, "prelude"]} or
+{"stdio": [{"input", "output"}, ...]}.
+
+    python -m data.prepare aime24 math500 humaneval              # from the Hugging Face hub
+    python -m data.prepare aime24 amc23 --from ../shared/benchmarks  # from local files
+    python -m data.prepare dapo17k --from path/to/dapo.parquet --out data/prepared
+
+`load_rows(spec)` accepts a name of DATASETS, a prepared or raw .jsonl/.json/.parquet file,
+or any Hugging Face dataset name whose rows `convert` understands, plus "demo"/"demo-test".
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
+from pathlib import Path
 
+PREPARED_DIR = Path(__file__).resolve().parent / "prepared"
 
-def _dapo_math_17k(row: dict, i: int) -> dict:
-    # verl format: prompt = [{"role": "user", "content": ...}], reward_model.ground_truth.
-    return {
-        "id": f"dapo17k/{row.get('extra_info', {}).get('index', i)}",
-        "source": "dapo_math_17k",
-        "kind": "math",
-        "prompt": row["prompt"][0]["content"],  # keeps DAPO's `Answer:` instruction
-        "answer": str(row["reward_model"]["ground_truth"]),
-    }
-
-
-def _polaris(row: dict, i: int) -> dict:
-    return {
-        "id": f"polaris/{i}",
-        "source": "polaris",
-        "kind": "math",
-        "prompt": row["problem"],
-        "answer": str(row["answer"]),
-    }
-
-
-CONVERTERS = {
-    "BytedTsinghua-SIA/DAPO-Math-17k": _dapo_math_17k,
-    "POLARIS-Project/Polaris-Dataset-53K": _polaris,
+# name -> Hugging Face (repo, config, split) and the file name a local copy goes by.
+DATASETS: dict[str, dict] = {
+    # training sets
+    "dapo17k": {"hf": ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"), "file": "dapo_math_17k_sample.jsonl"},
+    "polaris": {"hf": ("POLARIS-Project/Polaris-Dataset-53K", None, "train"), "file": "polaris.jsonl"},
+    # math benchmarks
+    "aime24": {"hf": ("HuggingFaceH4/aime_2024", None, "train"), "file": "aime24.jsonl"},
+    "aime25": {"hf": ("yentinglin/aime_2025", None, "train"), "file": "aime25.jsonl"},
+    "amc23": {"hf": ("math-ai/amc23", None, "test"), "file": "amc23.jsonl"},
+    "math500": {"hf": ("HuggingFaceH4/MATH-500", None, "test"), "file": "math500.jsonl"},
+    "minerva": {"hf": ("math-ai/minervamath", None, "test"), "file": "minerva.jsonl"},
+    "olympiadbench": {"hf": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train"), "file": "olympiadbench.jsonl"},
+    "gsm8k": {"hf": ("openai/gsm8k", "main", "test"), "file": "gsm8k_test.jsonl"},
+    # code benchmarks
+    "humaneval": {"hf": ("openai/openai_humaneval", None, "test"), "file": "humaneval.jsonl"},
+    "mbpp": {"hf": ("google-research-datasets/mbpp", "sanitized", "test"), "file": "mbpp_sanitized.jsonl"},
+    # LiveCodeBench's hub copy needs its own loader script: prepare it from a JSONL copy
+    # (rllm's format: problem, starter_code, tests) with --from.
+    "livecodebench": {"hf": None, "file": "livecodebench_public.jsonl"},
 }
+HF_NAMES = {spec["hf"][0]: name for name, spec in DATASETS.items() if spec["hf"]}
+
+# Imports LiveCodeBench-style solutions take for granted (typing's List, collections, ...).
+CODE_PRELUDE = (
+    "from typing import *\nfrom collections import *\nimport math, heapq, bisect, itertools, functools, "
+    "string, re, collections\n"
+)
+
+
+def _code_prompt(text: str) -> str:
+    return f"{text}\n\nWrite your solution as a complete program or function in one ```python code block."
+
+
+def convert(row: dict, source: str, i: int) -> dict:
+    """One raw row of any supported dataset -> the prepared format (ValueError if unusable)."""
+    rid = row.get("id") or row.get("task_id") or row.get("unique_id")
+    rid = str(rid) if rid is not None else f"{source}/{i}"
+    out = {"id": rid, "source": row.get("source") or source}
+    if "entry_point" in row and "test" in row:  # HumanEval
+        prompt = _code_prompt(f"Complete this function:\n```python\n{row['prompt']}```")
+        tests = {"test": row["test"], "entry_point": row["entry_point"]}
+        return {**out, "kind": "code", "prompt": prompt, "tests": tests}
+    if "test_list" in row:  # MBPP
+        defined = re.findall(r"^def (\w+)\s*\(", row.get("code", ""), re.M)
+        called = re.findall(r"(\w+)\s*\(", " ".join(row["test_list"]))
+        entry = next((f for f in called if f in defined), defined[0] if defined else None)
+        if entry is None:
+            raise ValueError(f"{source}: row {i} has tests but no function to test")
+        test = "\n".join(row.get("test_imports") or []) + "\ndef check(candidate):\n"
+        name = re.compile(rf"\b{entry}\b")  # the asserts call the function as `candidate`
+        test += "".join(f"    {name.sub('candidate', a)}\n" for a in row["test_list"])
+        prompt = _code_prompt(f"{row.get('prompt') or row.get('text')}\nYour code should pass these tests:\n"
+                              + "\n".join(row["test_list"]))
+        return {**out, "kind": "code", "prompt": prompt, "tests": {"test": test, "entry_point": entry}}
+    cases = row.get("tests") or row.get("public_test_cases")
+    if cases and ("starter_code" in row or "question_content" in row):  # LiveCodeBench
+        cases = json.loads(cases) if isinstance(cases, str) else cases
+        starter = row.get("starter_code") or ""
+        problem = row.get("problem") or row.get("question_content")
+        if all(c.get("testtype", "stdin") == "stdin" for c in cases):
+            tests = {"stdio": [{"input": c["input"], "output": c["output"]} for c in cases]}
+            prompt = _code_prompt(f"{problem}\n\nRead the input from stdin and write the answer to stdout.")
+        else:
+            method = re.search(r"def (\w+)\(\s*self", starter)
+            if not method:
+                raise ValueError(f"{source}: row {i} has functional tests but no method in starter_code")
+            pairs = [(c["input"], c["output"]) for c in cases]
+            test = (f"import json\nCASES = {pairs!r}\ndef check(candidate):\n    for args, expected in CASES:\n"
+                    "        args = [json.loads(a) for a in args.split('\\n')]\n"
+                    f"        assert getattr(candidate(), {method.group(1)!r})(*args) == json.loads(expected)\n")
+            tests = {"test": test, "entry_point": "Solution", "prelude": CODE_PRELUDE}
+            prompt = _code_prompt(f"{problem}\n\nComplete this starter code:\n```python\n{starter}\n```")
+        return {**out, "kind": "code", "prompt": prompt, "tests": tests}
+    # math
+    prompt = row.get("prompt")
+    if isinstance(prompt, list):  # verl/DAPO chat format
+        prompt = prompt[-1]["content"]
+    prompt = prompt or row.get("problem") or row.get("question") or row.get("Problem")
+    answer = row.get("reward_model", {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
+    for key in ("answer", "final_answer", "Answer", "ground_truth"):
+        if answer is None or answer == "":
+            answer = row.get(key)
+    if isinstance(answer, list):  # OlympiadBench: a list of final answers
+        answer = ", ".join(str(a).strip("$") for a in answer)
+    if isinstance(answer, str) and "####" in answer:  # GSM8K's raw answer field
+        answer = answer.rpartition("####")[2]
+    if not prompt:
+        raise ValueError(f"{source}: row {i} has no problem text (prompt/problem/question)")
+    if answer is None or str(answer).strip() == "":
+        raise ValueError(f"{source}: row {i} has no 'answer' (every math row needs a reference answer)")
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)
+    return {**out, "kind": "math", "prompt": prompt, "answer": str(answer).strip()}
 
 
 def dedupe(rows: list[dict]) -> list[dict]:
@@ -49,36 +129,98 @@ def dedupe(rows: list[dict]) -> list[dict]:
     return out
 
 
-def load_rows(spec: str) -> list[dict]:
-    """Rows of a dataset in the prepared format; raises ValueError with a one-line reason."""
+def _read_file(path: str) -> list[dict]:
+    import datasets
+
+    kind = "parquet" if path.endswith(".parquet") else "json"
+    try:
+        return list(datasets.load_dataset(kind, data_files=path, split="train"))
+    except Exception as e:  # datasets wraps parse errors in several exception types
+        raise ValueError(f"cannot read dataset {path}: {str(e).splitlines()[0]}") from None
+
+
+def _read_hub(repo: str, config: str | None, split: str) -> list[dict]:
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(repo, config, split=split))
+    except Exception as e:
+        raise ValueError(f"cannot load {repo} from the Hugging Face hub: {str(e).splitlines()[0]}") from None
+
+
+def _is_prepared(row: dict) -> bool:
+    return row.get("kind") in ("math", "code") and "prompt" in row and ("answer" in row or "tests" in row)
+
+
+def rows_from(raw: list[dict], source: str) -> list[dict]:
+    out = []
+    for i, row in enumerate(raw):
+        if _is_prepared(row):
+            tests = row.get("tests")
+            if row["kind"] == "math" and (row.get("answer") is None or str(row["answer"]).strip() == ""):
+                raise ValueError(f"{source}: row {i} has no 'answer' (every math row needs a reference answer)")
+            if row["kind"] == "code" and not tests:
+                raise ValueError(f"{source}: row {i} has no 'tests' (every code row needs tests)")
+            out.append({**row, "id": str(row.get("id") or f"{source}/{i}"),
+                        "tests": json.loads(tests) if isinstance(tests, str) else tests})
+        else:
+            out.append(convert(row, source, i))
+    return dedupe(out)
+
+
+def load_rows(spec: str, data_dir: str | None = None) -> list[dict]:
+    """Rows of a dataset in the prepared format; raises ValueError with a one-line reason.
+
+    A name of DATASETS is looked for as data_dir/<file>, then data/prepared/<name>.jsonl, and
+    is otherwise downloaded from the hub.
+    """
     if spec in ("demo", "demo-test"):
         from data.demo import ensure_demo
 
         spec = str(ensure_demo() / ("train.jsonl" if spec == "demo" else "test.jsonl"))
-    if spec in CONVERTERS:
-        import datasets
+    if spec in DATASETS:
+        local = [Path(data_dir) / DATASETS[spec]["file"]] if data_dir else []
+        local.append(PREPARED_DIR / f"{spec}.jsonl")
+        for path in local:
+            if path.exists():
+                return rows_from(_read_file(str(path)), spec)
+        if DATASETS[spec]["hf"] is None:
+            raise ValueError(f"{spec}: no local copy found ({', '.join(map(str, local))}); prepare it with --from")
+        return rows_from(_read_hub(*DATASETS[spec]["hf"]), spec)
+    if os.path.exists(spec):
+        return rows_from(_read_file(spec), Path(spec).stem)
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):  # a hub dataset name
+        return rows_from(_read_hub(spec, None, "train"), HF_NAMES.get(spec, spec))
+    known = ", ".join(["demo", "demo-test", *DATASETS])
+    raise ValueError(f"unknown dataset {spec!r}: not a file, not a hub name, not one of {known}")
 
-        convert = CONVERTERS[spec]
-        rows = [convert(row, i) for i, row in enumerate(datasets.load_dataset(spec, split="train"))]
-        return dedupe(rows)
-    if not os.path.exists(spec):
-        known = ", ".join(["demo", "demo-test", *CONVERTERS])
-        raise ValueError(f"dataset {spec!r} is neither a file nor a known dataset ({known})")
-    import datasets
 
-    kind = "parquet" if spec.endswith(".parquet") else "json"
-    try:
-        rows = list(datasets.load_dataset(kind, data_files=spec, split="train"))
-    except Exception as e:  # datasets wraps parse errors in several exception types
-        raise ValueError(f"cannot read dataset {spec}: {str(e).splitlines()[0]}") from None
-    for i, row in enumerate(rows):
-        if not row.get("prompt"):
-            raise ValueError(f"{spec}: row {i} has no 'prompt'")
-        kind = row.get("kind") or "math"
-        row["kind"] = kind
-        if kind == "math" and (row.get("answer") is None or str(row["answer"]).strip() == ""):
-            raise ValueError(f"{spec}: row {i} has no 'answer' (every math row needs a reference answer)")
-        if kind == "code" and not row.get("tests"):
-            raise ValueError(f"{spec}: row {i} has no 'tests' (every code row needs tests)")
-        row.setdefault("id", f"{os.path.basename(spec)}/{i}")
-    return rows
+def main() -> None:
+    p = argparse.ArgumentParser(description="Convert datasets to the prepared JSON Lines format.")
+    p.add_argument("names", nargs="+", help=f"any of {', '.join(DATASETS)}, or a hub dataset name")
+    p.add_argument("--from", dest="source", default=None,
+                   help="a local file (one name) or a directory holding the DATASETS file names")
+    p.add_argument("--out", default=str(PREPARED_DIR))
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for name in args.names:
+        try:
+            if args.source and os.path.isfile(args.source):
+                raw = _read_file(args.source)
+                rows = rows_from(raw, name)
+            else:
+                raw = None
+                rows = load_rows(name, data_dir=args.source)
+        except ValueError as e:
+            raise SystemExit(f"prepare: error: {e}") from None
+        dest = Path(args.out) / f"{name.replace('/', '_')}.jsonl"
+        with open(dest, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        read = f"{len(raw)} read, " if raw is not None else ""
+        kinds = {k: sum(r["kind"] == k for r in rows) for k in ("math", "code")}
+        print(f"{name}: {read}{len(rows)} unique rows ({kinds['math']} math, {kinds['code']} code) -> {dest}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""Evaluate checkpoints by Acc@k and Best@k on math and code benchmarks.
+
+    python evaluate.py --model CKPT --benchmarks aime24,amc23,math500 --n 8
+    python evaluate.py --run runs/seq runs/token runs/balanced --benchmarks aime24,amc23,math500 --plot
+
+Acc@k is the mean accuracy of k samples per problem; Best@k the share of problems solved by
+at least one of k samples, by the unbiased pass@k estimator 1 - C(n-c, k) / C(n, k) from n
+samples with c correct (never a bootstrap). Both are reported for k = 1 and k = n; Acc@1 and
+Acc@n have the same expectation (the per-sample accuracy), Best@1 equals them.
+
+With --model, one checkpoint; with --run, every checkpoint of each training run (already
+evaluated ones are skipped) and a table of each run's peak checkpoint (best average Acc@n)
+and last step, in the layout of the paper's Table 1. Samples and scores are cached per
+checkpoint under CKPT/eval/<settings>/ as they are made, so a killed evaluation resumes
+where it stopped, and every response can be inspected there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PAPER_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="a Hugging Face checkpoint directory (or hub id)")
+    what.add_argument("--run", nargs="+", help="training run directories (with checkpoints/step_*)")
+    p.add_argument("--benchmarks", default=PAPER_BENCHMARKS, help="comma-separated names or prepared files")
+    p.add_argument("--data-dir", default=None, help="directory with local copies of the benchmark files")
+    p.add_argument("--template", default="boxed", choices=["plain", "chat", "boxed", "dapo"])
+    p.add_argument("--n", type=int, default=8, help="samples per problem")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-tokens", type=int, default=3072)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: prompt + max tokens fit the model")
+    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory", type=float, default=0.9)
+    p.add_argument("--reward-workers", type=int, default=4)
+    p.add_argument("--chunk", type=int, default=256, help="problems generated and cached at a time")
+    p.add_argument("--out", default=None, help="where --run writes its table and figures (default: first run)")
+    p.add_argument("--plot", action="store_true", help="with --run: accuracy and training-dynamics figures")
+    args = p.parse_args(argv)
+    args.benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    if args.n < 1:
+        p.error("--n must be at least 1")
+    return args
+
+
+# -----------------------------------------------------------------------------
+# Metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of P(at least one of k samples is correct) from n samples, c correct."""
+    if k > n:
+        raise ValueError(f"k={k} > n={n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def benchmark_metrics(scores: list[list[float]], n: int) -> dict[str, float]:
+    """Acc@1, Acc@n, Best@1, Best@n over problems; `scores` holds n scores per problem."""
+    correct = [sum(s >= 1.0 for s in row) for row in scores]
+    acc = sum(sum(row) / n for row in scores) / len(scores)
+    return {
+        "problems": len(scores),
+        "acc@1": acc,
+        f"acc@{n}": acc,
+        "best@1": sum(pass_at_k(n, c, 1) for c in correct) / len(scores),
+        f"best@{n}": sum(pass_at_k(n, c, n) for c in correct) / len(scores),
+    }
+
+
+# -----------------------------------------------------------------------------
+# One checkpoint
+
+
+def check_checkpoint(path: str) -> None:
+    p = Path(path)
+    if p.is_dir():
+        has_weights = any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
+        if not (p / "config.json").exists() or not has_weights:
+            raise ValueError(f"{path}: no model weights (config.json and *.safetensors) in this directory")
+    elif path.startswith((".", "/")) or path.count("/") != 1:
+        raise ValueError(f"{path}: no such checkpoint directory")
+
+
+def settings_key(args) -> tuple[str, dict]:
+    keys = ("template", "n", "temperature", "top_p", "max_tokens", "seed", "limit")
+    settings = {k: getattr(args, k) for k in keys}
+    return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10], settings
+
+
+def load_benchmarks(args) -> dict[str, list[dict]]:
+    from data.prepare import load_rows
+
+    out = {}
+    for name in args.benchmarks:
+        rows = load_rows(name, data_dir=args.data_dir)
+        out[Path(name).stem if os.path.exists(name) else name] = rows[: args.limit] if args.limit else rows
+    return out
+
+
+def evaluate_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict]], args) -> dict:
+    """Sample, score and cache every benchmark for one checkpoint; returns its results."""
+    from tqdm import tqdm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from data.templates import render_prompt
+    from rewards import compute_rewards
+
+    key, settings = settings_key(args)
+    cache = Path(ckpt) / "eval" / key if Path(ckpt).is_dir() else Path("eval") / ckpt.replace("/", "_") / key
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "settings.json").write_text(json.dumps(settings, indent=1))
+    results = {}
+    for name, rows in benchmarks.items():
+        samples_file = cache / f"{name}.samples.jsonl"
+        done = {}
+        if samples_file.exists():
+            kept = []
+            for line in samples_file.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a kill: dropped, redone
+                    continue
+                done[rec["id"]] = rec["scores"]
+                kept.append(line)
+            samples_file.write_text("".join(x + "\n" for x in kept))
+        todo = [(i, r) for i, r in enumerate(rows) if r["id"] not in done]
+        bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=f"{Path(ckpt).name}:{name}", leave=False)
+        max_len, skipped = llm.llm_engine.model_config.max_model_len, 0
+        with open(samples_file, "a") as f:
+            for start in range(0, len(todo), args.chunk):
+                chunk = todo[start : start + args.chunk]
+                ids = [tokenizer(render_prompt(r["prompt"], args.template, tokenizer), add_special_tokens=False)
+                       ["input_ids"] for _, r in chunk]
+                # A prompt that leaves no room for the answer in the context scores 0 (counted).
+                too_long = [len(x) + args.max_tokens > max_len for x in ids]
+                for (_, r), skip in zip(chunk, too_long):
+                    if skip:
+                        done[r["id"]] = [0.0] * args.n
+                        rec = {"id": r["id"], "scores": done[r["id"]], "skipped": "prompt too long"}
+                        f.write(json.dumps(rec) + "\n")
+                chunk = [c for c, skip in zip(chunk, too_long) if not skip]
+                prompts = [TokensPrompt(prompt_token_ids=x) for x, skip in zip(ids, too_long) if not skip]
+                skipped += sum(too_long)
+                params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                                         max_tokens=args.max_tokens, seed=args.seed * 1_000_003 + i * args.n)
+                          for i, _ in chunk]
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                texts = [[c.text for c in o.outputs] for o in outs]
+                refs = [r["answer"] if r["kind"] == "math" else r["tests"] for _, r in chunk]
+                flat = compute_rewards([t for ts in texts for t in ts], [x for x in refs for _ in range(args.n)],
+                                       [r["kind"] for _, r in chunk for _ in range(args.n)], args.reward_workers)
+                for j, (_, r) in enumerate(chunk):
+                    scores = flat[j * args.n : (j + 1) * args.n]
+                    done[r["id"]] = scores
+                    f.write(json.dumps({"id": r["id"], "scores": scores, "responses": texts[j],
+                                        "reference": r.get("answer")}) + "\n")
+                f.flush()
+                bar.update(len(chunk) + sum(too_long))
+        bar.close()
+        if skipped:
+            print(f"[eval] {name}: {skipped} prompts longer than the context minus --max-tokens scored 0", flush=True)
+        results[name] = benchmark_metrics([done[r["id"]] for r in rows], args.n)
+    names = list(results)
+    n = args.n
+    results["average"] = {m: sum(results[b][m] for b in names) / len(names)
+                          for m in ("acc@1", f"acc@{n}", "best@1", f"best@{n}")}
+    (cache / "results.json").write_text(json.dumps({"checkpoint": str(ckpt), "settings": settings,
+                                                     "results": results}, indent=1))
+    return results
+
+
+def format_table(results: dict, n: int) -> str:
+    cols = ["acc@1", f"acc@{n}", "best@1", f"best@{n}"]
+    lines = [f"| {'benchmark':<16} | {'problems':>8} | " + " | ".join(f"{c:>7}" for c in cols) + " |",
+             "|" + "-" * 18 + "|" + "-" * 10 + "|" + "|".join("-" * 9 for _ in cols) + "|"]
+    for name, m in results.items():
+        probs = str(m.get("problems", "")) if name != "average" else ""
+        lines.append(f"| {name:<16} | {probs:>8} | " + " | ".join(f"{100 * m[c]:7.1f}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# Runs: every checkpoint, peak vs last
+
+
+def run_checkpoints(run: str) -> list[tuple[int, str]]:
+    ckpts = sorted(Path(run, "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    ckpts = [p for p in ckpts if not p.name.endswith(".tmp")]
+    if not ckpts:
+        raise ValueError(f"{run}: no checkpoints (expected {run}/checkpoints/step_N)")
+    return [(int(p.name.split("_")[1]), str(p)) for p in ckpts]
+
+
+def run_label(run: str) -> str:
+    args_file = Path(run) / "args.json"
+    agg = json.loads(args_file.read_text()).get("agg") if args_file.exists() else None
+    return f"{Path(run).name} ({agg})" if agg and agg not in Path(run).name else Path(run).name
+
+
+def peak_and_last(per_step: dict[int, dict], n: int) -> dict[str, tuple[int, dict]]:
+    peak = max(per_step, key=lambda s: (per_step[s]["average"][f"acc@{n}"], s))
+    return {"peak": (peak, per_step[peak]), "last": (max(per_step), per_step[max(per_step)])}
+
+
+def runs_table(table: dict[str, dict[str, tuple[int, dict]]], names: list[str], n: int) -> str:
+    head = "| run | point | step | " + " | ".join(f"{b} Acc@{n} / Best@{n}" for b in [*names, "average"]) + " |"
+    lines = [head, "|" + "---|" * (3 + len(names) + 1)]
+    for run, points in table.items():
+        for point, (step, res) in points.items():
+            cells = [f"{100 * res[b][f'acc@{n}']:.1f} / {100 * res[b][f'best@{n}']:.1f}" for b in [*names, "average"]]
+            lines.append(f"| {run} | {point} | {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_runs(
+    per_run: dict[str, dict[int, dict]], runs: dict[str, str], names: list[str], n: int, out: Path
+) -> list[Path]:
+    """Accuracy vs step per benchmark, and pg loss / length CV / pos-neg length gap from TensorBoard."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    paths = []
+    panels = [*names, "average"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
+    for ax, bench in zip(axes[0], panels):
+        for label, per_step in per_run.items():
+            steps = sorted(per_step)
+            ax.plot(steps, [100 * per_step[s][bench][f"acc@{n}"] for s in steps], marker="o", label=label)
+        ax.set_title(bench)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"Acc@{n} (%)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "accuracy_vs_step.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    tags = [("loss/pg", "policy-gradient loss"), ("length/cv", "response-length CV"),
+            ("length/pos_neg_gap", "neg - pos length gap (tokens)")]
+    fig, axes = plt.subplots(1, len(tags), figsize=(4.5 * len(tags), 3.2), squeeze=False)
+    for label, run in runs.items():
+        tb = Path(run) / "tb"
+        if not tb.exists():
+            continue
+        acc = EventAccumulator(str(tb))
+        acc.Reload()
+        for ax, (tag, title) in zip(axes[0], tags):
+            if tag in acc.Tags()["scalars"]:
+                ev = acc.Scalars(tag)
+                ax.plot([e.step for e in ev], [e.value for e in ev], label=label)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "training_dynamics.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+# -----------------------------------------------------------------------------
+
+
+def make_llm(model: str, args):
+    import torch
+    from vllm import LLM
+
+    kw = dict(tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+    if args.max_model_len:
+        kw["max_model_len"] = args.max_model_len
+    if torch.cuda.is_available():
+        kw.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory)
+    else:
+        kw.update(dtype="float32", enforce_eager=True)
+    return LLM(model=model, **kw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        if args.model:
+            check_checkpoint(args.model)
+            jobs = {None: [(None, args.model)]}
+        else:
+            jobs = {run: run_checkpoints(run) for run in args.run}
+            for ckpts in jobs.values():
+                for _, c in ckpts:
+                    check_checkpoint(c)
+        benchmarks = load_benchmarks(args)
+    except ValueError as e:
+        sys.exit(f"evaluate.py: error: {e}")
+
+    from transformers import AutoTokenizer
+
+    from train_grpo import load_weights_into_vllm
+
+    key, _ = settings_key(args)
+    llm, tokenizer, per_run = None, None, {}
+    for run, ckpts in jobs.items():
+        per_step = {}
+        for step, ckpt in ckpts:
+            cached = Path(ckpt) / "eval" / key / "results.json"
+            if cached.exists() and set(json.loads(cached.read_text())["results"]) >= set(benchmarks):
+                per_step[step] = json.loads(cached.read_text())["results"]
+                print(f"[eval] {ckpt}: already evaluated ({cached})", flush=True)
+                continue
+            t0 = time.time()
+            if llm is None:
+                llm = make_llm(ckpt, args)
+            else:  # same architecture: swap the weights in place instead of a new engine
+                load_weights_into_vllm(llm, weights_path=ckpt)
+            tokenizer = AutoTokenizer.from_pretrained(ckpt)
+            per_step[step] = evaluate_checkpoint(llm, tokenizer, ckpt, benchmarks, args)
+            print(f"[eval] {ckpt} ({time.time() - t0:.0f}s)\n{format_table(per_step[step], args.n)}", flush=True)
+            print(f"[eval] results: {Path(ckpt) / 'eval' / key / 'results.json'}", flush=True)
+        per_run[run] = per_step
+
+    if args.run:
+        names = list(benchmarks)
+        labels = {run_label(r): r for r in args.run}
+        table = {run_label(r): peak_and_last(per_run[r], args.n) for r in args.run}
+        out = Path(args.out or args.run[0])
+        out.mkdir(parents=True, exist_ok=True)
+        text = runs_table(table, names, args.n)
+        (out / "eval_table.md").write_text(text + "\n")
+        (out / "eval_table.json").write_text(json.dumps(
+            {label: {p: {"step": s, "results": r} for p, (s, r) in pts.items()} for label, pts in table.items()},
+            indent=1))
+        print(text)
+        print(f"[eval] table: {out / 'eval_table.md'}")
+        if args.plot:
+            paths = plot_runs({run_label(r): per_run[r] for r in args.run}, labels, names, args.n, out)
+            print("[eval] figures: " + ", ".join(map(str, paths)))
+
+
+if __name__ == "__main__":
+    main()

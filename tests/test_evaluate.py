@@ -1,0 +1,133 @@
+"""evaluate.py: metrics by hand, and a real vLLM evaluation of the demo model on benchmark slices."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import BENCHMARKS, ROOT
+
+from evaluate import benchmark_metrics, pass_at_k
+
+NO_EVAL = shutil.ignore_patterns("eval")
+
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (8, 0, 8, 0.0), (8, 8, 8, 1.0), (8, 8, 1, 1.0), (8, 0, 1, 0.0),
+    (8, 1, 8, 1.0),            # n = k: solved iff any sample is correct
+    (8, 1, 1, 1 / 8),
+    (4, 2, 2, 1 - 1 / 6),      # 1 - C(2,2)/C(4,2)
+    (5, 3, 3, 1.0),            # fewer wrong samples than k
+])
+def test_pass_at_k(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_pass_at_k_rejects_k_above_n():
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_benchmark_metrics_by_hand():
+    m = benchmark_metrics([[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], 4)
+    assert m["acc@1"] == m["acc@4"] == pytest.approx((0.25 + 1 + 0) / 3)
+    assert m["best@1"] == pytest.approx(m["acc@1"])
+    assert m["best@4"] == pytest.approx(2 / 3)
+    assert m["problems"] == 3
+
+
+def evaluate(*args, timeout=600):
+    return subprocess.run([sys.executable, "evaluate.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+COMMON = ["--benchmarks", "math500,humaneval,demo-test", "--data-dir", str(BENCHMARKS), "--template", "plain",
+          "--n", "3", "--max-tokens", "12", "--limit", "6", "--temperature", "1.0", "--top-p", "1.0",
+          "--reward-workers", "2"]
+
+
+@pytest.fixture(scope="module")
+def fake_run(demo_dir, tmp_path_factory):
+    """A run directory shaped like the trainer's: two checkpoints, args.json and a TensorBoard log."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path_factory.mktemp("runs") / "demo-balanced"
+    for step in (10, 20):
+        shutil.copytree(demo_dir / "model", run / "checkpoints" / f"step_{step:06d}", ignore=NO_EVAL)
+    (run / "args.json").write_text(json.dumps({"agg": "balanced"}))
+    w = SummaryWriter(str(run / "tb"))
+    for step in range(1, 21):
+        w.add_scalar("loss/pg", 0.01 / step, step)
+        w.add_scalar("length/cv", 0.3, step)
+        w.add_scalar("length/pos_neg_gap", 5.0 - step / 10, step)
+    w.close()
+    return run
+
+
+def test_evaluate_run_end_to_end(fake_run):
+    res = evaluate("--run", str(fake_run), "--plot", *COMMON)
+    assert res.returncode == 0, res.stderr[-3000:]
+    key_dirs = list((fake_run / "checkpoints" / "step_000010" / "eval").iterdir())
+    assert len(key_dirs) == 1
+    out = json.loads((key_dirs[0] / "results.json").read_text())["results"]
+    assert set(out) == {"math500", "humaneval", "demo-test", "average"}
+    for name in ("math500", "humaneval", "demo-test"):
+        m = out[name]
+        assert m["problems"] == 6
+        assert set(m) == {"problems", "acc@1", "acc@3", "best@1", "best@3"}
+        assert 0 <= m["acc@3"] <= m["best@3"] <= 1
+        samples = [json.loads(x) for x in (key_dirs[0] / f"{name}.samples.jsonl").read_text().splitlines()]
+        assert len({s["id"] for s in samples}) == 6 and all(len(s["scores"]) == 3 for s in samples)
+    assert out["demo-test"]["acc@3"] > 0  # the demo model does solve some of its own task
+    avg = out["average"]["acc@3"]
+    assert avg == pytest.approx(sum(out[b]["acc@3"] for b in ("math500", "humaneval", "demo-test")) / 3)
+
+    table = (fake_run / "eval_table.md").read_text()
+    assert "| peak |" in table and "| last | 20 |" in table and "demo-balanced" in table
+    assert "| benchmark" in res.stdout and "average" in res.stdout
+    for png in ("accuracy_vs_step.png", "training_dynamics.png"):
+        assert (fake_run / png).stat().st_size > 10_000
+
+    # A second call finds both checkpoints evaluated and generates nothing.
+    again = evaluate("--run", str(fake_run), *COMMON)
+    assert again.returncode == 0 and again.stdout.count("already evaluated") == 2
+
+
+def test_killed_evaluation_resumes(fake_run, demo_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(demo_dir / "model", ckpt, ignore=NO_EVAL)
+    first = evaluate("--model", str(ckpt), *COMMON)
+    assert first.returncode == 0, first.stderr[-3000:]
+    cache = next((ckpt / "eval").iterdir())
+    full = json.loads((cache / "results.json").read_text())["results"]
+    # simulate a kill: no results, demo-test samples cut after two problems and half a line
+    (cache / "results.json").unlink()
+    lines = (cache / "demo-test.samples.jsonl").read_text().splitlines()
+    (cache / "demo-test.samples.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:20])
+    second = evaluate("--model", str(ckpt), *COMMON)
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = json.loads((cache / "results.json").read_text())["results"]
+    assert resumed["math500"] == full["math500"] and resumed["humaneval"] == full["humaneval"]
+    ids = [json.loads(x)["id"] for x in (cache / "demo-test.samples.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 6  # two cached problems kept, the cut one and three more redone
+    assert math.isfinite(resumed["demo-test"]["acc@3"])
+
+
+def test_unknown_benchmark(demo_dir):
+    res = evaluate("--model", str(demo_dir / "model"), "--benchmarks", "aime2099")
+    assert res.returncode != 0 and "Traceback" not in res.stderr and "unknown dataset 'aime2099'" in res.stderr
+
+
+def test_file_without_answers(demo_dir, tmp_path):
+    bad = tmp_path / "noanswers.jsonl"
+    bad.write_text(json.dumps({"problem": "What is 1+1?"}) + "\n")
+    res = evaluate("--model", str(demo_dir / "model"), "--benchmarks", str(bad))
+    assert res.returncode != 0 and "Traceback" not in res.stderr and "row 0 has no 'answer'" in res.stderr
+
+
+def test_checkpoint_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    res = evaluate("--model", str(tmp_path), "--benchmarks", "demo-test")
+    assert res.returncode != 0 and "Traceback" not in res.stderr and "no model weights" in res.stderr
