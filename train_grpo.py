@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -291,6 +292,12 @@ def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
 
 def make_vllm(model_path: str, args, rank: int, local_rank: int):
     from vllm import LLM
+
+    # Expected at every sync, not a failure: rotary embeddings have no weights, and a tied
+    # lm_head receives its weights through embed_tokens.
+    expected = {"RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights"}
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda record: record.getMessage() not in expected)
 
     kw = {}
     if torch.cuda.is_available():
