@@ -333,6 +333,7 @@ def load_weights_into_vllm(llm, weights_iterator=None, weights_path: str | None 
     llm.collective_rpc("reload_weights", kwargs=kwargs)
     if not torch.cuda.is_available():
         llm.apply_model(_repack_cpu_lm_head)
+    llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
 
 def _repack_cpu_lm_head(model: torch.nn.Module) -> None:
