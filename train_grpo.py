@@ -82,7 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--eval-interval", type=int, default=25)
     a("--eval-samples", type=int, default=8, help="k of the sampled Acc@k at evaluation")
     a("--eval-limit", type=int, default=512, help="at most this many held-out prompts")
-    a("--save-interval", type=int, default=50)
+    a("--save-interval", type=int, default=50, help="steps between checkpoints (full state + HF export)")
+    a("--keep-last", type=int, default=3, help="full training states kept (HF exports are all kept)")
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    a("--max-bad-steps", type=int, default=5, help="consecutive non-finite steps before the run stops")
+    a("--mask-truncated", action="store_true", help="no loss on responses cut at --max-response-len (DAPO)")
     a("--output-dir", default=None, help="default runs/<model>-<agg>")
     a("--seed", type=int, default=42)
     a("--ds-config", default=str(ROOT / "ds_config.json"))
@@ -111,6 +115,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise ValueError(
             f"each rank's {per_rank} prompts per step do not split into --minibatches {args.minibatches}"
         )
+    if args.prompts_per_step < world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} is smaller than the {world} ranks")
     if min(args.micro_batch_size, args.steps, args.max_response_len, args.logprob_chunk) < 1:
         raise ValueError("--micro-batch-size, --steps, --max-response-len and --logprob-chunk must be >= 1")
     if args.model != "demo" and not os.path.isdir(args.model) and (
@@ -143,7 +149,7 @@ def aggregation_weights(advantages: torch.Tensor, lengths: torch.Tensor, group_s
               with P: A>0, N: A<0, Z: A=0                    -> w_i = |S_i| / (G sum_{S_i} L)
     """
     A = advantages.view(-1, group_size)
-    L = lengths.view(-1, group_size).to(torch.float64)
+    L = lengths.view(-1, group_size).to(torch.float64).clamp(min=1)  # an empty response has no terms anyway
     if agg == "seq":
         w = 1.0 / (group_size * L)
     elif agg == "token":
@@ -419,26 +425,98 @@ def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_
     return {"eval/acc_greedy": (t[0] / t[2]).item(), f"eval/acc@{k}": (t[1] / t[3]).item()}
 
 
-def save_hf_checkpoint(engine, tokenizer, path: Path, rank: int) -> None:
-    """Hugging Face export (config, safetensors, tokenizer) that transformers and vLLM load.
+def rng_state() -> dict:
+    import numpy as np
 
-    Parameters are gathered one at a time; rank 0 keeps a CPU copy of each to write. The
-    directory appears under its final name only once complete.
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dict, rank: int, keep_last: int) -> None:
+    """Full training state and a Hugging Face export in root/step_N, atomically.
+
+    Everything goes to step_N.tmp first: every rank's ZeRO-3 model/optimizer/scheduler shards
+    and RNG states (state/), the step and data position (trainer_state.json), and the HF
+    export (config, safetensors, tokenizer), gathered one parameter at a time. Only then does
+    rank 0 rename it to step_N and point `latest` at it, so a kill at any moment leaves
+    `latest` on a complete checkpoint. Full states beyond the last `keep_last` are deleted;
+    the HF exports stay, for evaluating every checkpoint of a run.
     """
+    import shutil
+
     import deepspeed
     import torch.distributed as dist
 
-    state = {}
+    final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
+    torch.save(rng_state(), tmp / "state" / f"rng_rank{rank}.pt")
+    weights = {}
     for name, param in engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param]):
             if rank == 0:
-                state[name] = param.data.detach().cpu().clone()
+                weights[name] = param.data.detach().cpu().clone()
     if rank == 0:
-        tmp = path.with_name(path.name + ".tmp")
-        engine.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        engine.module.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, path) if not path.exists() else None
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
+    if os.environ.get("GRPO_FAULT_KILL_IN_SAVE") == str(step):  # fault injection for the crash tests
+        os.kill(os.getpid(), 9)
     dist.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")
+        states = sorted(p.parent for p in root.glob("step_*/state") if not p.parent.name.endswith(".tmp"))
+        for old in states[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old / "state", ignore_errors=True)
+    dist.barrier()
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `latest` points at, if it is complete (it always is, unless edited by hand)."""
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    ckpt = root / pointer.read_text().strip()
+    return ckpt if (ckpt / "trainer_state.json").exists() and (ckpt / "state").is_dir() else None
+
+
+# may differ between the launches of one run
+RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
+                    "keep_last", "max_bad_steps"}
+
+
+def check_output_dir(args, out_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None; refuses to mix two different runs in one directory."""
+    latest = latest_checkpoint(out_dir / "checkpoints")
+    old_args = out_dir / "args.json"
+    if old_args.exists() and not args.resume:
+        old = json.loads(old_args.read_text())
+        new = vars(args)
+        diff = [k for k in sorted(set(old) | set(new)) if k not in RUN_ARGS_IGNORED and old.get(k) != new.get(k)]
+        if diff:
+            shown = ", ".join(f"--{k.replace('_', '-')} {old.get(k)} -> {new.get(k)}" for k in diff[:4])
+            raise ValueError(f"{out_dir} holds a run with other arguments ({shown}); "
+                             "use another --output-dir, or --resume to continue it with these")
+    return latest
 
 
 def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
@@ -466,11 +544,37 @@ def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
 # -----------------------------------------------------------------------------
 
 
+def deepspeed_config(args, world: int) -> dict:
+    """The file's optimizer and ZeRO settings, with batch sizes, lr and precision from the flags."""
+    try:
+        cfg = json.loads(Path(args.ds_config).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--ds-config {args.ds_config}: {e}") from None
+    per_rank = args.prompts_per_step // world * args.group_size // args.minibatches
+    gas = math.ceil(per_rank / args.micro_batch_size)
+    sizes = dict(train_micro_batch_size_per_gpu=args.micro_batch_size, gradient_accumulation_steps=gas,
+                 train_batch_size=args.micro_batch_size * gas * world)
+    for k, v in sizes.items():  # batch sizes come from the flags; a config may only agree with them
+        if k in cfg and cfg[k] not in (v, "auto"):
+            raise ValueError(f"--ds-config sets {k}={cfg[k]} but the flags imply {v}; remove it from the config")
+    cfg.update(sizes, bf16={"enabled": torch.cuda.is_available()})
+    optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    optimizer.setdefault("params", {}).update(lr=args.lr, weight_decay=args.weight_decay)
+    if args.lr_warmup_steps > 0:  # linear warm-up, then constant
+        cfg.setdefault("scheduler", {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "warmup_type": "linear",
+            "warmup_num_steps": args.lr_warmup_steps * args.minibatches}})
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    out_dir = Path(args.output_dir)
     try:
         check_args(args, world)
+        ds_config = deepspeed_config(args, world)
+        resume_from = check_output_dir(args, out_dir)
     except ValueError as e:
         sys.exit(f"train_grpo.py: error: {e}")
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531").items():
@@ -498,7 +602,6 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed)
-    out_dir = Path(args.output_dir)
 
     try:
         model_path = args.model
@@ -516,19 +619,6 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:
         sys.exit(f"train_grpo.py: error: {str(e).splitlines()[0]}")
 
-    # DeepSpeed config: the file's optimizer/ZeRO settings, batch sizes and lr from the flags.
-    per_rank = args.prompts_per_step // world * args.group_size // args.minibatches
-    gas = math.ceil(per_rank / args.micro_batch_size)
-    ds_config = json.loads(Path(args.ds_config).read_text())
-    ds_config.update(
-        train_micro_batch_size_per_gpu=args.micro_batch_size, gradient_accumulation_steps=gas,
-        train_batch_size=args.micro_batch_size * gas * world, bf16={"enabled": cuda},
-    )
-    ds_config["optimizer"]["params"].update(lr=args.lr, weight_decay=args.weight_decay)
-    if args.lr_warmup_steps > 0:  # linear warm-up, then constant
-        ds_config.setdefault("scheduler", {"type": "WarmupLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "warmup_type": "linear",
-            "warmup_num_steps": args.lr_warmup_steps * args.minibatches}})
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841  (makes from_pretrained load partitioned)
     dtype = torch.bfloat16 if cuda else torch.float32
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -542,12 +632,24 @@ def main(argv: list[str] | None = None) -> None:
         ref_engine = deepspeed.initialize(model=ref, config=ref_cfg)[0]
     llm = make_vllm(model_path, args, rank, local_rank)
 
-    writer = SummaryWriter(str(out_dir / "tb")) if rank == 0 else None
+    start, order, bad_streak = 0, [], 0
+    if resume_from is not None:
+        engine.load_checkpoint(str(resume_from), tag="state")
+        state = json.loads((resume_from / "trainer_state.json").read_text())
+        start, order, bad_streak = state["step"], state["order"], state["bad_streak"]
+        set_rng_state(torch.load(resume_from / "state" / f"rng_rank{rank}.pt", weights_only=False))
+        sync_weights_to_vllm(engine, llm)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
               f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}", flush=True)
+        if resume_from is not None:
+            print(f"[grpo] resuming from {resume_from} (step {start})", flush=True)
+        logged = (out_dir / "metrics.jsonl").read_text().splitlines() if (out_dir / "metrics.jsonl").exists() else []
+        # steps after the checkpoint are redone: drop their log lines (TensorBoard: purge_step)
+        (out_dir / "metrics.jsonl").write_text("".join(x + "\n" for x in logged if json.loads(x)["step"] <= start))
+    writer = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1) if rank == 0 else None
 
     def log(step: int, metrics: dict[str, float]) -> None:
         if rank == 0:
@@ -556,15 +658,16 @@ def main(argv: list[str] | None = None) -> None:
             with open(out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
 
-    if eval_rows:
+    if eval_rows and start == 0:
         ev = evaluate(llm, eval_rows, args, rank, world, 0, out_dir)
         log(0, ev)
         if rank == 0:
             print("[grpo] step 0 eval: " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()), flush=True)
 
     n_prompts = args.prompts_per_step // world
-    order = []
-    bar = tqdm(range(1, args.steps + 1), desc=f"grpo[{args.agg}]", disable=rank != 0, dynamic_ncols=True)
+    metrics = {}
+    bar = tqdm(range(start + 1, args.steps + 1), desc=f"grpo[{args.agg}]", disable=rank != 0, dynamic_ncols=True,
+               initial=start, total=args.steps)
     for step in bar:
         timer = {}
         # 1. rollout: this rank's prompts, the same global order on every rank (seeded epochs)
@@ -604,6 +707,8 @@ def main(argv: list[str] | None = None) -> None:
         adv = group_advantages(rewards, args.group_size, scale_by_std=not args.no_std_norm)
         for r, s, a in zip(rollouts, scores, adv.tolist()):
             r["reward"], r["advantage"] = s, a
+        if os.environ.get("GRPO_FAULT_NAN_STEP") == str(step):  # fault injection for the crash tests
+            adv = torch.full_like(adv, float("nan"))
         lengths = torch.tensor([r["length"] for r in rollouts])
 
         # old log-probs only when the policy moves between mini-batches; ref only with KL
@@ -619,14 +724,27 @@ def main(argv: list[str] | None = None) -> None:
         engine.train()
         per_mb = len(rollouts) // args.minibatches
         sums = defaultdict(float)
-        for mb in range(args.minibatches):
+        # No learning signal anywhere (every group has zero reward variance, no KL term):
+        # skip the update rather than let AdamW's momentum and decay move the weights.
+        signal_ = torch.tensor([float(bool((adv != 0).any()) or args.kl_coef > 0)])
+        dist.all_reduce(signal_, op=dist.ReduceOp.MAX)
+        for mb in range(args.minibatches if signal_.item() else 0):
             part = rollouts[mb * per_mb : (mb + 1) * per_mb]
             a, L = adv[mb * per_mb : (mb + 1) * per_mb], lengths[mb * per_mb : (mb + 1) * per_mb]
             # local groups / global groups of this mini-batch: rank-local weights sum to the global mean
+            if args.mask_truncated:  # overlong filtering: truncated responses carry no loss and no tokens
+                masked = torch.tensor([r["truncated"] for r in part])
+                L = torch.where(masked, 0, L)
             w = aggregation_weights(a, L, args.group_size, args.agg) / world
+            if args.mask_truncated:
+                w = torch.where(masked, 0.0, w)
             s = update_minibatch(engine, part, w, args, world, device)
+            # DeepSpeed skips the optimizer step itself when the gradient norm is not finite
+            bad = not (math.isfinite(s["grad_norm"]) and math.isfinite(s["pg_loss"]))
+            sums["skipped_updates"] += bad / world
             for k, v in s.items():
-                sums[k] += v
+                sums[k] += v if not bad else 0.0
+            sums["updates"] += (not bad) / world
         timer["update"] = time.time() - t0
 
         # 6. weight sync
@@ -650,10 +768,12 @@ def main(argv: list[str] | None = None) -> None:
         metrics = {
             "reward/mean": tot["reward"] / tot["responses"],
             "reward/accuracy": tot["correct"] / tot["responses"],
-            "loss/pg": tot["pg_loss"] / args.minibatches,
-            "loss/clip_frac": tot["clipped"] / tot["tokens"],
-            "loss/approx_kl": tot["approx_kl"] / tot["tokens"],
-            "loss/grad_norm": tot["grad_norm"] / world / args.minibatches,
+            "loss/pg": tot["pg_loss"] / max(1, tot["updates"]),
+            "loss/clip_frac": tot["clipped"] / max(1, tot["tokens"]),
+            "loss/approx_kl": tot["approx_kl"] / max(1, tot["tokens"]),
+            "loss/grad_norm": tot["grad_norm"] / world / max(1, tot["updates"]),
+            "train/skipped_updates": tot["skipped_updates"],
+            "train/no_signal": float(not signal_.item()),
             "lr": engine.get_lr()[0],
             "length/mean": tot["length"] / tot["responses"],
             "length/max": max_len.item(),
@@ -666,15 +786,22 @@ def main(argv: list[str] | None = None) -> None:
             **{f"time/{k}": v for k, v in timer.items()},
         }
         if ref_engine is not None:
-            metrics["loss/ref_kl"] = tot["ref_kl"] / tot["tokens"]
+            metrics["loss/ref_kl"] = tot["ref_kl"] / max(1, tot["tokens"])
 
         if eval_rows and (step % args.eval_interval == 0 or step == args.steps):
             metrics.update(evaluate(llm, eval_rows, args, rank, world, step, out_dir))
         log(step, metrics)
         bar.set_postfix(acc=f"{metrics['reward/accuracy']:.3f}", pg=f"{metrics['loss/pg']:+.4f}",
                         len=f"{metrics['length/mean']:.0f}", refresh=False)
-        if step % args.save_interval == 0 or step == args.steps:
-            save_hf_checkpoint(engine, tokenizer, out_dir / "checkpoints" / f"step_{step:06d}", rank)
+        bad_streak = bad_streak + 1 if tot["skipped_updates"] else 0
+        stop = bad_streak >= args.max_bad_steps
+        if step % args.save_interval == 0 or step == args.steps or stop:
+            state = {"step": step, "order": order, "bad_streak": bad_streak}
+            save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
+        if stop:
+            dist.barrier()
+            sys.exit(f"train_grpo.py: error: {bad_streak} steps in a row had a non-finite loss or gradient "
+                     f"(updates skipped, weights unchanged); stopped with a checkpoint at step {step}")
 
     if rank == 0:
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
