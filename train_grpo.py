@@ -108,6 +108,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     """Fail in one line, before any expensive work, on settings that cannot run."""
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: group advantages compare a response with its siblings")
+    if args.prompts_per_step < world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} is smaller than the {world} ranks")
     if args.prompts_per_step % world:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world} ranks")
     per_rank = args.prompts_per_step // world
@@ -115,8 +117,6 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise ValueError(
             f"each rank's {per_rank} prompts per step do not split into --minibatches {args.minibatches}"
         )
-    if args.prompts_per_step < world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} is smaller than the {world} ranks")
     if min(args.micro_batch_size, args.steps, args.max_response_len, args.logprob_chunk) < 1:
         raise ValueError("--micro-batch-size, --steps, --max-response-len and --logprob-chunk must be >= 1")
     if args.model != "demo" and not os.path.isdir(args.model) and (
@@ -705,10 +705,10 @@ def main(argv: list[str] | None = None) -> None:
         # 3. advantages and 4. aggregation weights, once per rollout batch
         rewards = torch.tensor(scores, dtype=torch.float64)
         adv = group_advantages(rewards, args.group_size, scale_by_std=not args.no_std_norm)
-        for r, s, a in zip(rollouts, scores, adv.tolist()):
-            r["reward"], r["advantage"] = s, a
         if os.environ.get("GRPO_FAULT_NAN_STEP") == str(step):  # fault injection for the crash tests
             adv = torch.full_like(adv, float("nan"))
+        for r, s, a in zip(rollouts, scores, adv.tolist()):
+            r["reward"], r["advantage"] = s, a
         lengths = torch.tensor([r["length"] for r in rollouts])
 
         # old log-probs only when the policy moves between mini-batches; ref only with KL
@@ -723,7 +723,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         engine.train()
         per_mb = len(rollouts) // args.minibatches
-        sums = defaultdict(float)
+        keys = ["pg_loss", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates"]
+        sums = dict.fromkeys(keys + (["ref_kl"] if ref_engine is not None else []), 0.0)
         # No learning signal anywhere (every group has zero reward variance, no KL term):
         # skip the update rather than let AdamW's momentum and decay move the weights.
         signal_ = torch.tensor([float(bool((adv != 0).any()) or args.kl_coef > 0)])

@@ -1,0 +1,163 @@
+"""Crash safety: exact resume after SIGKILL (in a step and in a save), the non-finite guard,
+degenerate batches, and one-line errors before any expensive work."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, cpu_env, deepspeed_run
+from safetensors.torch import load_file
+
+RUN = ["--steps", "5", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4", "--minibatches", "2",
+       "--micro-batch-size", "4", "--eval-limit", "4", "--eval-interval", "100", "--lr", "1e-3"]
+
+
+def train(out, *extra, env=None, port=29630):
+    return deepspeed_run(2, "train_grpo.py", "--output-dir", str(out), *RUN, *extra, port=port, env=env)
+
+
+def metrics(out) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time/")} for r in rows}
+
+
+@pytest.fixture(scope="module")
+def reference(demo_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("crash") / "reference"
+    res = train(out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return metrics(out)
+
+
+def assert_same_run(resumed: dict, reference: dict):
+    assert sorted(resumed) == sorted(reference)
+    for step in reference:
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-9), step
+
+
+def test_sigkill_during_a_step_resumes_exactly(reference, tmp_path):
+    out = tmp_path / "run"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", "29631",
+           "train_grpo.py", "--output-dir", str(out), *RUN]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:  # wait until the step-2 checkpoint exists
+        if (out / "checkpoints" / "latest").exists() and (out / "metrics.jsonl").exists() and \
+                len((out / "metrics.jsonl").read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.2)
+    time.sleep(random.uniform(0.0, 1.5))  # somewhere in step 4 or 5
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "checkpoints" / "latest").exists()
+    res = train(out, port=29632)  # the same command again: it resumes by itself
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming from" in res.stdout + res.stderr
+    assert_same_run(metrics(out), reference)
+
+
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(reference, tmp_path):
+    out = tmp_path / "run"
+    res = train(out, env=cpu_env(GRPO_FAULT_KILL_IN_SAVE="4"), port=29633)
+    assert res.returncode != 0
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_000002"
+    assert (ckpts / "step_000004.tmp").is_dir() and not (ckpts / "step_000004").exists()
+    res = train(out, "--resume", port=29634)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming from" in res.stdout and "step_000002" in res.stdout
+    assert_same_run(metrics(out), reference)
+    assert not (ckpts / "step_000004.tmp").exists() and (ckpts / "latest").read_text() == "step_000005"
+
+
+def test_keep_last_prunes_full_states_but_not_exports(tmp_path, demo_dir):
+    out = tmp_path / "run"
+    res = train(out, "--save-interval", "1", "--steps", "3", "--keep-last", "2", port=29635)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpts = out / "checkpoints"
+    assert [p.name for p in sorted(ckpts.glob("step_*/state"))] == ["state", "state"]
+    assert not (ckpts / "step_000001" / "state").exists() and (ckpts / "step_000001" / "model.safetensors").exists()
+
+
+def test_non_finite_step_is_skipped_and_too_many_stop_the_run(tmp_path, demo_dir):
+    out = tmp_path / "run"
+    res = train(out, "--save-interval", "1", "--max-bad-steps", "1", env=cpu_env(GRPO_FAULT_NAN_STEP="2"),
+                port=29636)
+    assert res.returncode != 0
+    assert "1 steps in a row had a non-finite loss or gradient" in res.stderr and "Traceback" not in res.stderr
+    m = metrics(out)
+    assert m[2]["train/skipped_updates"] == 2 and m[1]["train/skipped_updates"] == 0
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_000002"  # stopped with a valid checkpoint
+    before = load_file(ckpts / "step_000001" / "model.safetensors")
+    after = load_file(ckpts / "step_000002" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the poisoned step changed nothing
+    initial = load_file(demo_dir / "model" / "model.safetensors")
+    assert not all(torch.equal(before[k], initial[k]) for k in before)  # while step 1 did train
+
+
+def test_degenerate_batches(tmp_path, demo_dir):
+    # every reference answer is unreachable: all rewards 0, no group has reward variance
+    rows = [json.loads(x) for x in (demo_dir / "train.jsonl").read_text().splitlines()[:40]]
+    data = tmp_path / "hopeless.jsonl"
+    data.write_text("".join(json.dumps({**r, "answer": "-1"}) + "\n" for r in rows))
+    out = tmp_path / "zero"
+    res = train(out, "--dataset", str(data), "--steps", "2", port=29637)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = metrics(out)
+    assert m[1]["train/no_signal"] == 1.0 and m[1]["groups/zero_var_share"] == 1.0
+    final = load_file(out / "checkpoints" / "step_000002" / "model.safetensors")
+    initial = load_file(demo_dir / "model" / "model.safetensors")
+    assert all(torch.equal(final[k], initial[k]) for k in final)  # skipped, not nudged by AdamW
+
+    # every response truncated and masked; prompts over the length limit dropped and counted
+    out = tmp_path / "trunc"
+    res = train(out, "--steps", "2", "--max-response-len", "2", "--mask-truncated", "--max-prompt-len", "13",
+                port=29638)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = metrics(out)
+    assert m[2]["length/truncation_rate"] == 1.0 and m[2]["loss/pg"] == 0.0
+    dropped = int(res.stdout.split("training prompts (")[1].split(" too long")[0])
+    assert dropped > 0
+
+
+def run_cli(*flags, env=None):
+    return subprocess.run([sys.executable, "train_grpo.py", *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_unreadable_dataset(tmp_path):
+    bad = tmp_path / "broken.parquet"
+    bad.write_bytes(b"not a parquet file")
+    res = run_cli("--dataset", str(bad), "--output-dir", str(tmp_path / "o"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr and "cannot read dataset" in res.stderr
+
+
+def test_deepspeed_config_contradicting_the_flags(tmp_path):
+    cfg = json.loads((ROOT / "ds_config.json").read_text())
+    cfg["train_batch_size"] = 12345
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    res = run_cli("--ds-config", str(tmp_path / "ds.json"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "--ds-config sets train_batch_size=12345 but the flags imply" in res.stderr
+
+
+def test_more_ranks_than_prompts():
+    res = run_cli("--prompts-per-step", "2", env={**os.environ, "WORLD_SIZE": "4"})
+    assert res.returncode != 0 and "smaller than the 4 ranks" in res.stderr
+
+
+def test_output_dir_of_a_different_run(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "args.json").write_text(json.dumps({"agg": "token", "lr": 1e-6}))
+    res = run_cli("--output-dir", str(out), "--agg", "balanced")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "holds a run with other arguments (--agg token -> balanced" in res.stderr
