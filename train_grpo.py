@@ -197,12 +197,7 @@ def token_logprobs(
     engine, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     response_mask: torch.Tensor, temperature: float, chunk: int,
 ) -> torch.Tensor:
-    """log pi(y_t | y_<t) for the response tokens (response_mask), flattened in row order.
-
-    The backbone runs once; lm_head + log-softmax run on `chunk` tokens at a time, and in
-    training each chunk is recomputed in backward (checkpointed), so peak memory holds one
-    chunk's logits instead of all of them.
-    """
+    """log pi(y_t | y_<t) for the response tokens (response_mask), flattened in row order."""
     # The forward goes through the DeepSpeed engine (ZeRO-3 gradient accumulation is
     # book-kept there) with logits_to_keep=[] so that the model skips its own lm_head; the
     # backbone's final hidden states are caught on the way out.
@@ -213,22 +208,30 @@ def token_logprobs(
                logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
     finally:
         hook.remove()
-    hidden = caught[0]
     predict = response_mask[:, 1:]  # position t predicts token t+1
-    h = hidden[:, :-1][predict]
-    targets = input_ids[:, 1:][predict]
+    return chunked_logprobs(model.lm_head, caught[0][:, :-1][predict], input_ids[:, 1:][predict], temperature, chunk)
+
+
+def chunked_logprobs(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int
+) -> torch.Tensor:
+    """log softmax(lm_head(h) / T)[target] for [N, H] hidden states, `chunk` rows at a time.
+
+    With gradients on, each chunk is recomputed in backward (checkpointed), so peak memory
+    holds one chunk's [chunk x vocab] float32 logits instead of all of them.
+    """
     # ZeRO-3 all-gathers lm_head at every call (and again at every recompute in backward),
     # so all ranks must make the same number of calls: agree on the chunk count.
-    n_chunks = torch.tensor([max(1, math.ceil(h.shape[0] / chunk))], device=h.device)
+    n_chunks = torch.tensor([max(1, math.ceil(hidden.shape[0] / chunk))], device=hidden.device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(n_chunks, op=torch.distributed.ReduceOp.MAX)
     out = []
-    for h_c, t_c in zip(h.tensor_split(int(n_chunks)), targets.tensor_split(int(n_chunks))):
+    for h_c, t_c in zip(hidden.tensor_split(int(n_chunks)), targets.tensor_split(int(n_chunks))):
         if torch.is_grad_enabled():
             out.append(torch.utils.checkpoint.checkpoint(
-                _chunk_logprobs, model.lm_head, h_c, t_c, temperature, use_reentrant=False))
+                _chunk_logprobs, lm_head, h_c, t_c, temperature, use_reentrant=False))
         else:
-            out.append(_chunk_logprobs(model.lm_head, h_c, t_c, temperature))
+            out.append(_chunk_logprobs(lm_head, h_c, t_c, temperature))
     return torch.cat(out)
 
 

@@ -1,0 +1,289 @@
+"""Step benchmark: every phase of a GRPO step next to what the raw engine does alone.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 bench_step.py      # CPU: the tiny demo model
+    deepspeed --num_gpus 1 bench_step.py --model Qwen/Qwen2.5-0.5B-Instruct --template boxed \
+        --dataset math500 --max-response-len 1024                 # a GPU machine
+
+On the same work, in one run:
+  rollout   the trainer's rollout (train_grpo.generate, per-prompt seeded sampling) vs a bare
+            vllm.LLM.generate of the same prompts with the same sampling parameters;
+  update    the trainer's chunked log-probs + clipped surrogate + backward + step
+            (train_grpo.update_minibatch) vs a bare DeepSpeed forward (full logits, cross
+            entropy) + backward + step over the same micro-batches; plus the padding share;
+  sync      seconds of sync_weights_to_vllm and its share of the step, and how it scales on
+            random Qwen2 models of a few sizes;
+  reward    responses/second of compute_rewards on 4096 math responses;
+  memory    peak memory of per-token log-probs + their gradient, chunked vs the naive full
+            logits path, at vocabulary 151,936, hidden 896, 2 x 2048 tokens (own processes).
+Ratios are printed last; all numbers go to --out as JSON. This is a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import train_grpo as T
+
+ROOT = Path(__file__).resolve().parent
+TARGETS = {"rollout": 1.05, "update": 1.15, "sync_share": 0.05, "memory": 0.25}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="demo")
+    p.add_argument("--dataset", default="demo")
+    p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "benchmarks"))
+    p.add_argument("--template", default="plain")
+    p.add_argument("--prompts-per-rank", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=64)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--max-response-len", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3, help="best of N for each timing")
+    p.add_argument("--sync-hidden", default="256,512,1024", help="hidden sizes of the sync-scaling models")
+    p.add_argument("--reward-n", type=int, default=4096)
+    p.add_argument("--out", default="bench_step.json")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--memory-probe", choices=["chunked", "naive"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    # the trainer's flags that its functions read
+    args.temperature, args.top_p, args.logprob_chunk = 1.0, 1.0, 1024
+    args.clip_eps_low, args.clip_eps_high, args.kl_coef = 0.2, 0.28, 0.0
+    args.prompts_per_step, args.minibatches, args.lr, args.weight_decay = 0, 1, 1e-6, 0.0
+    args.lr_warmup_steps, args.ds_config, args.seed = 0, str(ROOT / "ds_config.json"), 0
+    args.vllm_gpu_memory, args.reward_workers = 0.3, 4
+    return args
+
+
+def best_of(n: int, fn) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+# -----------------------------------------------------------------------------
+# log-prob memory, in a process of its own per path
+
+
+def memory_probe(path: str) -> None:
+    torch.manual_seed(0)
+    vocab, hidden, tokens = 151_936, 896, 2 * 2048
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    lm_head = torch.nn.Linear(hidden, vocab, bias=False, device=dev)
+    h = torch.randn(tokens, hidden, device=dev, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), device=dev)
+    base = torch.cuda.memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    if path == "chunked":
+        logp = T.chunked_logprobs(lm_head, h, targets, 1.0, 1024)
+    else:
+        logp = torch.log_softmax(lm_head(h).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    logp.sum().backward()
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"peak_bytes": peak - base, "logp": logp.detach()[:64].tolist(),
+                      "grad": h.grad[:4, :16].flatten().tolist()}))
+
+
+def logprob_memory() -> dict:
+    out = {}
+    for path in ("chunked", "naive"):
+        res = subprocess.run([sys.executable, __file__, "--memory-probe", path], capture_output=True, text=True,
+                             env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+        out[path] = json.loads(res.stdout.strip().splitlines()[-1])
+    diff = max(abs(a - b) for a, b in zip(out["chunked"]["logp"] + out["chunked"]["grad"],
+                                          out["naive"]["logp"] + out["naive"]["grad"]))
+    chunked, naive = out["chunked"]["peak_bytes"], out["naive"]["peak_bytes"]
+    return {"chunked_peak_gib": chunked / 2**30, "naive_peak_gib": naive / 2**30, "ratio": chunked / naive,
+            "max_abs_diff": diff}
+
+
+# -----------------------------------------------------------------------------
+
+
+def bare_update(engine, batch: list[dict], micro: int, pad_id: int, device) -> None:
+    """What DeepSpeed does alone: full-logits forward, cross entropy on the response, backward, step."""
+    order = sorted(range(len(batch)), key=lambda i: len(batch[i]["tokens"]))
+    for start in range(0, len(order), micro):
+        mb = [batch[i] for i in order[start : start + micro]]
+        ids, attn, resp = T.pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], pad_id, device)
+        labels = torch.where(resp, ids, -100)
+        loss = engine(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
+        engine.backward(loss)
+        engine.step()
+
+
+def padding_share(batch: list[dict], micro: int) -> float:
+    order = sorted(len(r["tokens"]) for r in batch)
+    padded = sum(max(order[s : s + micro]) * len(order[s : s + micro]) for s in range(0, len(order), micro))
+    return 1 - sum(order) / padded
+
+
+def time_sync(args, model_dir: Path, rank: int, local_rank: int, world: int) -> dict:
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if torch.cuda.is_available()
+                                                 else torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=T.deepspeed_config(args, world))
+    llm = T.make_vllm(str(model_dir), args, rank, local_rank)
+    secs = best_of(args.repeats, lambda: T.sync_weights_to_vllm(engine, llm))
+    return {"hidden": model.config.hidden_size, "params_m": params / 1e6, "sync_s": secs}
+
+
+def sync_scaling(args, hidden_sizes: list[int], rank: int, local_rank: int, world: int) -> list[dict]:
+    """Seconds to sync random Qwen2 models of a few sizes (ZeRO-3 gather + vLLM reload)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    rows = []
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    for h in hidden_sizes:
+        d = Path(tempfile.gettempdir()) / f"bench-sync-{h}"
+        if rank == 0 and not (d / "config.json").exists():
+            cfg = Qwen2Config(vocab_size=len(tok), hidden_size=h, intermediate_size=4 * h, num_hidden_layers=4,
+                              num_attention_heads=h // 64, num_key_value_heads=h // 64, head_dim=64,
+                              max_position_embeddings=1024, tie_word_embeddings=False)
+            Qwen2ForCausalLM(cfg).save_pretrained(d)
+            tok.save_pretrained(d)
+        dist.barrier()
+        rows.append(time_sync(args, d, rank, local_rank, world))
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    if args.memory_probe:
+        return memory_probe(args.memory_probe)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29541").items():
+        os.environ.setdefault(k, v)
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations import HfDeepSpeedConfig
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rewards import compute_rewards
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    args.model_path = args.model
+    if args.model == "demo":
+        from data.demo import ensure_demo
+
+        args.model_path = str(ensure_demo() / "model")
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    args.prompts_per_step = args.prompts_per_rank * world
+    rows_all, _ = T.load_prompts(args.dataset, tok, args)
+    rows = rows_all[rank * args.prompts_per_rank : (rank + 1) * args.prompts_per_rank]
+    cfg = T.deepspeed_config(args, world)
+    dschf = HfDeepSpeedConfig(cfg)  # noqa: F841
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.bfloat16 if cuda else torch.float32)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    llm = T.make_vllm(args.model_path, args, rank, local_rank)
+    results = {"world": world, "device": "cuda" if cuda else "cpu", "model": args.model}
+
+    # rollout: identical prompts and sampling parameters; first call of each warms up
+    params = [SamplingParams(n=args.group_size, temperature=1.0, top_p=1.0, max_tokens=args.max_response_len,
+                             seed=T.sampling_seed(0, 1, rank * len(rows) + j, args.group_size))
+              for j in range(len(rows))]
+    bare_prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows]
+    outputs = None
+
+    def trainer_rollout():
+        nonlocal outputs
+        outputs = T.generate(llm, rows, params)
+
+    trainer_rollout()
+    t_bare = best_of(args.repeats, lambda: llm.generate(bare_prompts, params, use_tqdm=False))
+    t_trainer = best_of(args.repeats, trainer_rollout)
+    results["rollout"] = {"trainer_s": t_trainer, "bare_s": t_bare, "ratio": t_trainer / t_bare}
+
+    # reward, then update on these rollouts
+    rollouts = [{"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
+                 "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids), "old_logp": None}
+                for row, o in zip(rows, outputs) for c in o.outputs]
+    t0 = time.perf_counter()
+    scores = compute_rewards([r["text"] for r in rollouts], [T.reference(r["row"]) for r in rollouts],
+                             [r["row"]["kind"] for r in rollouts], args.reward_workers)
+    t_reward = time.perf_counter() - t0
+    adv = T.group_advantages(torch.tensor(scores, dtype=torch.float64), args.group_size)
+    adv = adv + 1e-3 * torch.randn(adv.shape, dtype=torch.float64)  # a gradient even if all groups agree
+    for r, a in zip(rollouts, adv.tolist()):
+        r["advantage"] = a
+    lengths = torch.tensor([r["length"] for r in rollouts])
+    w = T.aggregation_weights(adv, lengths, args.group_size, "balanced") / world
+    engine.train()
+    t_update = best_of(args.repeats, lambda: T.update_minibatch(engine, rollouts, w, args, world, device))
+    t_bare_update = best_of(args.repeats, lambda: bare_update(engine, rollouts, args.micro_batch_size, args.pad_id,
+                                                              device))
+    results["update"] = {"trainer_s": t_update, "bare_s": t_bare_update, "ratio": t_update / t_bare_update,
+                         "padding_share": padding_share(rollouts, args.micro_batch_size)}
+
+    t_sync = best_of(args.repeats, lambda: T.sync_weights_to_vllm(engine, llm))
+    step = t_trainer + t_reward + t_update + t_sync
+    results["sync"] = {"sync_s": t_sync, "step_s": step, "share": t_sync / step}
+    results["sync_scaling"] = sync_scaling(args, [int(x) for x in args.sync_hidden.split(",") if x], rank,
+                                           local_rank, world)
+
+    if rank == 0:
+        from tests.reward_cases import cases  # real MATH-500 solutions, half scored against a wrong answer
+
+        cs = cases("math500") if (Path(args.data_dir) / "math500.jsonl").exists() else None
+        if cs:
+            resp = [cs[i % len(cs)]["response"] for i in range(args.reward_n)]
+            ans = [cs[(i + (i // len(cs)) % 2) % len(cs)]["answer"] for i in range(args.reward_n)]
+            compute_rewards(resp[:16], ans[:16], ["math"] * 16, args.reward_workers)  # workers up
+            t0 = time.perf_counter()
+            compute_rewards(resp, ans, ["math"] * args.reward_n, args.reward_workers)
+            results["reward"] = {"responses": args.reward_n, "workers": args.reward_workers,
+                                 "per_s": args.reward_n / (time.perf_counter() - t0)}
+        results["logprob_memory"] = logprob_memory()
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        r = results
+        print(f"\nstep benchmark ({r['device']}, {world} ranks, model {args.model}); full numbers in {args.out}")
+        print("| phase | trainer | raw engine | ratio | target |\n|---|---|---|---|---|")
+        print(f"| rollout | {r['rollout']['trainer_s']:.3f} s | {r['rollout']['bare_s']:.3f} s | "
+              f"{r['rollout']['ratio']:.3f} | <= {TARGETS['rollout']} |")
+        print(f"| update | {r['update']['trainer_s']:.3f} s | {r['update']['bare_s']:.3f} s | "
+              f"{r['update']['ratio']:.3f} | <= {TARGETS['update']} "
+              f"(padding share {r['update']['padding_share']:.3f}) |")
+        print(f"| weight sync | {r['sync']['sync_s']:.3f} s | step {r['sync']['step_s']:.3f} s | "
+              f"{r['sync']['share']:.3f} of step | <= {TARGETS['sync_share']} |")
+        for s in r["sync_scaling"]:
+            print(f"| sync, {s['params_m']:.0f}M params | {s['sync_s']:.3f} s | | | |")
+        if "reward" in r:
+            print(f"| reward | {r['reward']['per_s']:.0f} responses/s ({r['reward']['workers']} workers) | | | |")
+        m = r["logprob_memory"]
+        print(f"| log-prob memory | {m['chunked_peak_gib']:.2f} GiB | naive {m['naive_peak_gib']:.2f} GiB | "
+              f"{m['ratio']:.3f} | <= {TARGETS['memory']} (max diff {m['max_abs_diff']:.1e}) |")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
