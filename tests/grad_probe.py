@@ -1,13 +1,12 @@
 """Run one trainer update on a fixed GRPO batch and save the resulting parameter change.
 
 Launched by tests/test_invariance.py as
-    DS_ACCELERATOR=cpu deepspeed --num_gpus N tests/grad_probe.py MODEL OUT AGG MICRO
+    DS_ACCELERATOR=cpu deepspeed --num_gpus N tests/grad_probe.py MODEL OUT MICRO
 With plain SGD (lr 1, no clipping) the change is exactly minus the gradient, so runs with
 different rank counts and micro-batch sizes can be compared.
 """
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -40,40 +39,42 @@ def fixed_batch(vocab: int, groups: int = 4, group_size: int = 4) -> tuple[list[
 
 def main() -> None:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
-    model_dir, out, agg, micro = argv[0], Path(argv[1]), argv[2], int(argv[3])
+    model_dir, out, micro = argv[0], Path(argv[1]), int(argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    rollouts, adv, lengths = fixed_batch(model.config.vocab_size)
-    G = 4
-    n_local = len(rollouts) // world  # whole groups per rank
-    lo, hi = rank * n_local, (rank + 1) * n_local
-    gas = math.ceil(n_local / micro)
-    config = {
-        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
-        "train_batch_size": micro * gas * world, "zero_optimization": {"stage": 3},
-        "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-    }
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    args = argparse.Namespace(
-        micro_batch_size=micro, pad_id=0, temperature=1.0, logprob_chunk=7,
-        clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0,
-    )
-    w = train_grpo.aggregation_weights(adv[lo:hi], lengths[lo:hi], G, agg) / world
-    sums = train_grpo.update_minibatch(engine, rollouts[lo:hi], w, args, world, torch.device("cpu"))
-    loss = torch.tensor([sums["pg_loss"]], dtype=torch.float64)
-    dist.all_reduce(loss)
-    delta = {}
-    for name, p in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([p]):
-            delta[name] = (p.data - before[name]).clone()
+    results = {}
+    for agg in ("seq", "token", "balanced"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        rollouts, adv, lengths = fixed_batch(model.config.vocab_size)
+        G = 4
+        n_local = len(rollouts) // world  # whole groups per rank
+        lo, hi = rank * n_local, (rank + 1) * n_local
+        gas = math.ceil(n_local / micro)
+        config = {
+            "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+            "train_batch_size": micro * gas * world, "zero_optimization": {"stage": 3},
+            "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+        }
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        args = argparse.Namespace(
+            micro_batch_size=micro, pad_id=0, temperature=1.0, logprob_chunk=7,
+            clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0,
+        )
+        w = train_grpo.aggregation_weights(adv[lo:hi], lengths[lo:hi], G, agg) / world
+        sums = train_grpo.update_minibatch(engine, rollouts[lo:hi], w, args, world, torch.device("cpu"))
+        loss = torch.tensor([sums["pg_loss"]], dtype=torch.float64)
+        dist.all_reduce(loss)
+        delta = {}
+        for name, p in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p]):
+                delta[name] = (p.data - before[name]).clone()
+        results[agg] = {"delta": delta, "loss": loss.item()}
     if rank == 0:
-        torch.save(delta, out)
-        out.with_suffix(".json").write_text(json.dumps({"loss": loss.item()}))
+        torch.save(results, out)
 
 
 if __name__ == "__main__":
