@@ -34,6 +34,7 @@ import torch
 import train_grpo as T
 
 ROOT = Path(__file__).resolve().parent
+_KEEP: list = []
 TARGETS = {"rollout": 1.05, "update": 1.15, "sync_share": 0.05, "memory": 0.25}
 
 
@@ -46,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts-per-rank", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=64)
-    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--max-prompt-len", type=int, default=64)
     p.add_argument("--max-response-len", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3, help="best of N for each timing")
     p.add_argument("--sync-hidden", default="256,512,1024", help="hidden sizes of the sync-scaling models")
@@ -54,9 +55,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="bench_step.json")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--memory-probe", choices=["chunked", "naive"], help=argparse.SUPPRESS)
+    p.add_argument("--logprob-chunk", type=int, default=T.parse_args([]).logprob_chunk, help="the trainer's default")
     args = p.parse_args()
     # the trainer's flags that its functions read
-    args.temperature, args.top_p, args.logprob_chunk = 1.0, 1.0, 1024
+    args.temperature, args.top_p = 1.0, 1.0
     args.clip_eps_low, args.clip_eps_high, args.kl_coef = 0.2, 0.28, 0.0
     args.prompts_per_step, args.minibatches, args.lr, args.weight_decay = 0, 1, 1e-6, 0.0
     args.lr_warmup_steps, args.ds_config, args.seed = 0, str(ROOT / "ds_config.json"), 0
@@ -73,11 +75,20 @@ def best_of(n: int, fn) -> float:
     return min(times)
 
 
+def best_of_pair(n: int, a, b) -> tuple[float, float]:
+    """Best of n for two competitors timed alternately, so drift in machine load hits both."""
+    ta, tb = [], []
+    for _ in range(n):
+        ta.append(best_of(1, a))
+        tb.append(best_of(1, b))
+    return min(ta), min(tb)
+
+
 # -----------------------------------------------------------------------------
 # log-prob memory, in a process of its own per path
 
 
-def memory_probe(path: str) -> None:
+def memory_probe(path: str, chunk: int) -> None:
     torch.manual_seed(0)
     vocab, hidden, tokens = 151_936, 896, 2 * 2048
     cuda = torch.cuda.is_available()
@@ -89,7 +100,7 @@ def memory_probe(path: str) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     if path == "chunked":
-        logp = T.chunked_logprobs(lm_head, h, targets, 1.0, 1024)
+        logp = T.chunked_logprobs(lm_head, h, targets, 1.0, chunk)
     else:
         logp = torch.log_softmax(lm_head(h).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
     logp.sum().backward()
@@ -98,11 +109,12 @@ def memory_probe(path: str) -> None:
                       "grad": h.grad[:4, :16].flatten().tolist()}))
 
 
-def logprob_memory() -> dict:
+def logprob_memory(chunk: int) -> dict:
     out = {}
-    for path in ("chunked", "naive"):
-        res = subprocess.run([sys.executable, __file__, "--memory-probe", path], capture_output=True, text=True,
-                             env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    for path in ("chunked", "naive"):  # a clean process each: peak RSS is per process
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
+        res = subprocess.run([sys.executable, __file__, "--memory-probe", path, "--logprob-chunk", str(chunk)],
+                             capture_output=True, text=True, env=env)
         out[path] = json.loads(res.stdout.strip().splitlines()[-1])
     diff = max(abs(a - b) for a, b in zip(out["chunked"]["logp"] + out["chunked"]["grad"],
                                           out["naive"]["logp"] + out["naive"]["grad"]))
@@ -138,11 +150,13 @@ def time_sync(args, model_dir: Path, rank: int, local_rank: int, world: int) -> 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if torch.cuda.is_available()
                                                  else torch.float32)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitions at load
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=T.deepspeed_config(args, world))
     llm = T.make_vllm(str(model_dir), args, rank, local_rank)
     secs = best_of(args.repeats, lambda: T.sync_weights_to_vllm(engine, llm))
+    # Kept alive on purpose: a collected vLLM engine tears down torch.distributed's default group.
+    _KEEP.append((engine, llm))
     return {"hidden": model.config.hidden_size, "params_m": params / 1e6, "sync_s": secs}
 
 
@@ -171,8 +185,10 @@ def sync_scaling(args, hidden_sizes: list[int], rank: int, local_rank: int, worl
 def main() -> None:
     args = parse_args()
     if args.memory_probe:
-        return memory_probe(args.memory_probe)
+        return memory_probe(args.memory_probe, args.logprob_chunk)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    # before vLLM starts: its NUMA memory binding is inherited by child processes and skews their RSS
+    memory = logprob_memory(args.logprob_chunk) if os.environ.get("RANK", "0") == "0" else None
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29541").items():
         os.environ.setdefault(k, v)
     import deepspeed
@@ -220,8 +236,9 @@ def main() -> None:
         outputs = T.generate(llm, rows, params)
 
     trainer_rollout()
-    t_bare = best_of(args.repeats, lambda: llm.generate(bare_prompts, params, use_tqdm=False))
-    t_trainer = best_of(args.repeats, trainer_rollout)
+    llm.generate(bare_prompts, params, use_tqdm=False)
+    t_trainer, t_bare = best_of_pair(args.repeats, trainer_rollout,
+                                     lambda: llm.generate(bare_prompts, params, use_tqdm=False))
     results["rollout"] = {"trainer_s": t_trainer, "bare_s": t_bare, "ratio": t_trainer / t_bare}
 
     # reward, then update on these rollouts
@@ -239,9 +256,11 @@ def main() -> None:
     lengths = torch.tensor([r["length"] for r in rollouts])
     w = T.aggregation_weights(adv, lengths, args.group_size, "balanced") / world
     engine.train()
-    t_update = best_of(args.repeats, lambda: T.update_minibatch(engine, rollouts, w, args, world, device))
-    t_bare_update = best_of(args.repeats, lambda: bare_update(engine, rollouts, args.micro_batch_size, args.pad_id,
-                                                              device))
+    T.update_minibatch(engine, rollouts, w, args, world, device)  # warm-up: optimizer state, traces
+    bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device)
+    t_update, t_bare_update = best_of_pair(
+        args.repeats, lambda: T.update_minibatch(engine, rollouts, w, args, world, device),
+        lambda: bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device))
     results["update"] = {"trainer_s": t_update, "bare_s": t_bare_update, "ratio": t_update / t_bare_update,
                          "padding_share": padding_share(rollouts, args.micro_batch_size)}
 
@@ -263,7 +282,7 @@ def main() -> None:
             compute_rewards(resp, ans, ["math"] * args.reward_n, args.reward_workers)
             results["reward"] = {"responses": args.reward_n, "workers": args.reward_workers,
                                  "per_s": args.reward_n / (time.perf_counter() - t0)}
-        results["logprob_memory"] = logprob_memory()
+        results["logprob_memory"] = memory
         Path(args.out).write_text(json.dumps(results, indent=1))
         r = results
         print(f"\nstep benchmark ({r['device']}, {world} ranks, model {args.model}); full numbers in {args.out}")

@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=42)
     a("--ds-config", default=str(ROOT / "ds_config.json"))
     a("--gradient-checkpointing", action="store_true")
-    a("--logprob-chunk", type=int, default=1024, help="tokens per lm_head chunk in log-prob computation")
+    a("--logprob-chunk", type=int, default=256, help="tokens per lm_head chunk in log-prob computation")
     a("--vllm-gpu-memory", type=float, default=0.5, help="CUDA only: vLLM's share of GPU memory")
     a("--reward-workers", type=int, default=4)
     a("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations import HfDeepSpeedConfig
     from vllm import SamplingParams
 
@@ -616,6 +616,10 @@ def main(argv: list[str] | None = None) -> None:
             dist.barrier()
             model_path = str(ensure_demo() / "model")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+        if context and args.max_prompt_len + args.max_response_len > context:
+            raise ValueError(f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len} "
+                             f"exceeds the model's context of {context} tokens")
         args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         train_rows, dropped = load_prompts(args.dataset, tokenizer, args)
         eval_rows = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit)[0] if args.eval_dataset else []
