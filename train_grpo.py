@@ -653,6 +653,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}", flush=True)
         if resume_from is not None:
             print(f"[grpo] resuming from {resume_from} (step {start})", flush=True)
+            if start >= args.steps:
+                print(f"[grpo] {out_dir} already holds all {args.steps} steps: nothing to do "
+                      "(raise --steps to train on, or pick another --output-dir)", flush=True)
         logged = (out_dir / "metrics.jsonl").read_text().splitlines() if (out_dir / "metrics.jsonl").exists() else []
         # steps after the checkpoint are redone: drop their log lines (TensorBoard: purge_step)
         (out_dir / "metrics.jsonl").write_text("".join(x + "\n" for x in logged if json.loads(x)["step"] <= start))
@@ -813,7 +816,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if rank == 0:
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
-        print("[grpo] done: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()), flush=True)
+        if final:
+            print("[grpo] done: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()), flush=True)
         writer.close()
     dist.barrier()
 
