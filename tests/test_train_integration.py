@@ -96,6 +96,6 @@ def test_dataset_row_without_answer(demo_dir, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "What is 1+1?", "answer": "2"}) + "\n"
                     + json.dumps({"prompt": "What is 2+2?"}) + "\n")
-    res = bad_input("--dataset", str(data), "--eval-dataset", str(data))
+    res = bad_input("--dataset", str(data), "--eval-dataset", str(data), "--output-dir", str(tmp_path / "run"))
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "row 1 has no 'answer'" in res.stderr
