@@ -242,9 +242,7 @@ def main() -> None:
     results["rollout"] = {"trainer_s": t_trainer, "bare_s": t_bare, "ratio": t_trainer / t_bare}
 
     # reward, then update on these rollouts
-    rollouts = [{"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
-                 "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids), "old_logp": None}
-                for row, o in zip(rows, outputs) for c in o.outputs]
+    rollouts = T.to_rollouts(rows, outputs)
     t0 = time.perf_counter()
     scores = compute_rewards([r["text"] for r in rollouts], [T.reference(r["row"]) for r in rollouts],
                              [r["row"]["kind"] for r in rollouts], args.reward_workers)

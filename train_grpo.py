@@ -392,6 +392,16 @@ def generate(llm, rows: list[dict], params: list) -> list:
     return llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows], params, use_tqdm=False)
 
 
+def to_rollouts(rows: list[dict], outputs: list) -> list[dict]:
+    """One record per sampled response, G consecutive per prompt; vLLM's token ids as returned."""
+    return [
+        {"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
+         "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids),
+         "truncated": c.finish_reason == "length", "old_logp": None}
+        for row, o in zip(rows, outputs) for c in o.outputs
+    ]
+
+
 def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_dir: Path) -> dict[str, float]:
     """Greedy accuracy and sampled Acc@k on this rank's shard of the held-out prompts."""
     import torch.distributed as dist
@@ -701,12 +711,7 @@ def main(argv: list[str] | None = None) -> None:
 
         # 2. reward
         t0 = time.time()
-        rollouts = [
-            {"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
-             "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids),
-             "truncated": c.finish_reason == "length", "old_logp": None}
-            for row, o in zip(rows, outputs) for c in o.outputs
-        ]
+        rollouts = to_rollouts(rows, outputs)
         rstats = {}
         scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
                                  [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=rstats)
