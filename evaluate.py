@@ -114,7 +114,7 @@ def load_benchmarks(args) -> dict[str, list[dict]]:
 
     out = {}
     for name in args.benchmarks:
-        rows = load_rows(name, data_dir=args.data_dir)
+        rows = load_rows(name, data_dir=args.data_dir, train=False)  # benchmarks as published
         out[Path(name).stem if os.path.exists(name) else name] = rows[: args.limit] if args.limit else rows
     return out
 
@@ -152,8 +152,8 @@ def evaluate_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[di
         with open(samples_file, "a") as f:
             for start in range(0, len(todo), args.chunk):
                 chunk = todo[start : start + args.chunk]
-                ids = [tokenizer(render_prompt(r["prompt"], args.template, tokenizer), add_special_tokens=False)
-                       ["input_ids"] for _, r in chunk]
+                texts = [render_prompt(r["prompt"], args.template, tokenizer, r["kind"]) for _, r in chunk]
+                ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
                 # A prompt that leaves no room for the answer in the context scores 0 (counted).
                 too_long = [len(x) + args.max_tokens > max_len for x in ids]
                 for (_, r), skip in zip(chunk, too_long):
@@ -289,7 +289,10 @@ def plot_runs(
 
 def make_llm(model: str, args):
     import torch
+    from transformers import AutoConfig
     from vllm import LLM
+
+    from train_grpo import vllm_cpu_kwargs
 
     kw = dict(tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
     if args.max_model_len:
@@ -297,7 +300,8 @@ def make_llm(model: str, args):
     if torch.cuda.is_available():
         kw.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory)
     else:
-        kw.update(dtype="float32", enforce_eager=True)
+        context = args.max_model_len or getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 4096)
+        kw.update(vllm_cpu_kwargs(context))
     return LLM(model=model, **kw)
 
 
@@ -313,7 +317,11 @@ def main(argv: list[str] | None = None) -> None:
                 for _, c in ckpts:
                     check_checkpoint(c)
         benchmarks = load_benchmarks(args)
-    except ValueError as e:
+        if any(r["kind"] == "code" for rows in benchmarks.values() for r in rows):
+            from rewards import sandbox_mode
+
+            sandbox_mode()  # code rewards fail closed without bubblewrap: say so before the engine starts
+    except (ValueError, RuntimeError) as e:
         sys.exit(f"evaluate.py: error: {e}")
 
     from transformers import AutoTokenizer

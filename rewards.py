@@ -14,13 +14,14 @@
 math-verify enforces its own timeouts with signal.alarm, which only works in a process's main
 thread (elsewhere it silently scores 0): scoring therefore runs in the workers' main thread.
 
-Model-written code is untrusted. It runs in a fresh temporary directory, with a minimal
-environment, as an unprivileged user, under limits on CPU time, wall time, memory, processes,
-open files and file size, with its whole process group killed at the deadline; with
-bubblewrap (`apt-get install bubblewrap`) also without network, in its own PID namespace and
-with only the system's and Python's directories visible (read-only). Without bubblewrap it
-falls back to `unshare --net --pid` where that works, else to the limits alone, and says so
-once in the log.
+Model-written code is untrusted. It runs under bubblewrap (`apt-get install bubblewrap`):
+without network, in its own PID namespace, with only the system's and Python's directories
+visible (read-only), in a fresh temporary directory, with a minimal environment, as an
+unprivileged user, under limits on CPU time, wall time, memory, processes, open files, file
+size and the output read back (CODE_MAX_OUTPUT_BYTES), its whole process group killed at the
+deadline. Without bubblewrap, code rewards refuse to run (fail closed) unless a weaker mode is
+chosen explicitly with REWARDS_SANDBOX=unshare (no network, own PID namespace, but the whole
+filesystem writable by `nobody`) or REWARDS_SANDBOX=rlimits (resource limits only).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import math
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -48,6 +50,7 @@ CODE_TIMEOUT_S = 10.0  # wall clock per test program
 CODE_MEMORY_BYTES = 2 << 30
 CODE_MAX_PROCS = 64
 CODE_MAX_FILE_BYTES = 16 << 20
+CODE_MAX_OUTPUT_BYTES = 4 << 20  # stdout read back from a program; past it the program is killed
 SANDBOX_UID = 65534  # nobody
 
 # -----------------------------------------------------------------------------
@@ -141,23 +144,42 @@ def extract_code(response: str) -> str | None:
 
 
 _TMP_ROOT: str | None = None  # a worker's private directory for sandboxes (see _spawn)
-_sandbox_mode: str | None = os.environ.get("REWARDS_SANDBOX")  # force 'bwrap' | 'unshare' | 'rlimits'
+SANDBOX_MODES = ("bwrap", "unshare", "rlimits")  # strongest first; the weaker two only on request
+_sandbox_mode: str | None = None
+
+
+class SandboxUnavailable(RuntimeError):
+    """Code rewards cannot run with the isolation asked for (REWARDS_SANDBOX, default bwrap)."""
 
 
 def sandbox_mode() -> str:
-    """'bwrap', 'unshare' or 'rlimits': the strongest isolation this machine offers."""
+    """The isolation for untrusted code: bubblewrap, or a weaker mode chosen by REWARDS_SANDBOX.
+
+    Fails closed: raises SandboxUnavailable, with a one-line reason and the fix, rather than
+    run model-written code with the trainer's reach.
+    """
     global _sandbox_mode
-    if _sandbox_mode is None:
-        probe = [sys.executable, "-c", "pass"]
-        if shutil.which("bwrap") and _runs(_bwrap_prefix("/tmp") + [_sandbox_python("bwrap"), "-c", "pass"]):
-            _sandbox_mode = "bwrap"
-        elif shutil.which("unshare") and _runs(_unshare_prefix() + probe):
-            _sandbox_mode = "unshare"
-            log.warning("bubblewrap not found: untrusted code runs without filesystem isolation (unshare + limits)")
-        else:
-            _sandbox_mode = "rlimits"
-            log.warning("bubblewrap and unshare unavailable: untrusted code runs under resource limits only")
-    return _sandbox_mode
+    if _sandbox_mode is not None:
+        return _sandbox_mode
+    mode = os.environ.get("REWARDS_SANDBOX", "bwrap")
+    if mode not in SANDBOX_MODES:
+        raise SandboxUnavailable(f"REWARDS_SANDBOX={mode!r}: choose one of {', '.join(SANDBOX_MODES)}")
+    if mode == "bwrap" and not shutil.which("bwrap"):
+        raise SandboxUnavailable(
+            "code rewards run model-written code and need bubblewrap to isolate it: install it "
+            "(apt-get install bubblewrap), or set REWARDS_SANDBOX=unshare or rlimits to accept weaker "
+            "isolation (README: Rewards)")
+    if mode == "bwrap" and not _runs(_bwrap_prefix("/tmp") + [_sandbox_python("bwrap"), "-c", "pass"]):
+        raise SandboxUnavailable(
+            "bubblewrap is installed but cannot start a sandbox here (are unprivileged user namespaces "
+            "disabled?); fix that, or set REWARDS_SANDBOX=unshare or rlimits to accept weaker isolation")
+    if mode == "unshare" and not (shutil.which("unshare") and _runs(_unshare_prefix() + [sys.executable, "-c", ""])):
+        raise SandboxUnavailable("REWARDS_SANDBOX=unshare: `unshare --net --pid` does not work on this machine")
+    if mode != "bwrap":
+        log.warning("REWARDS_SANDBOX=%s: untrusted code runs without filesystem isolation%s", mode,
+                    "" if mode == "unshare" else ", network or PID namespace")
+    _sandbox_mode = mode
+    return mode
 
 
 def _runs(cmd: list[str]) -> bool:
@@ -240,17 +262,41 @@ def run_sandboxed(program: str, stdin: str = "", timeout: float = CODE_TIMEOUT_S
         else:
             cmd, cwd = python, workdir
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, start_new_session=True, text=True, errors="replace")
+        with tempfile.TemporaryFile() as stdin_file:  # a file, not a pipe: no deadlock on large inputs
+            stdin_file.write(stdin.encode())
+            stdin_file.seek(0)
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=stdin_file, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
         try:
-            out, _ = proc.communicate(stdin, timeout=timeout)
-            return proc.returncode, out, False
-        except subprocess.TimeoutExpired:
-            return -9, "", True
+            return _read_bounded(proc, time.monotonic() + timeout)
         finally:
             _kill_group(proc)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _read_bounded(proc: subprocess.Popen, deadline: float) -> tuple[int, str, bool]:
+    """(exit code, stdout, timed out), reading at most CODE_MAX_OUTPUT_BYTES: memory and time stay
+    bounded whatever the program writes; past the cap it is killed (by the caller) and fails."""
+    out, size, fd = [], 0, proc.stdout.fileno()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return -9, "", True
+        if not select.select([fd], [], [], left)[0]:
+            continue
+        data = os.read(fd, 1 << 16)
+        if not data:  # EOF: the program (and anything it started) closed its stdout
+            break
+        size += len(data)
+        if size > CODE_MAX_OUTPUT_BYTES:
+            return -9, "", False
+        out.append(data)
+    try:
+        rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return -9, "", True
+    return rc, b"".join(out).decode(errors="replace"), False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -298,6 +344,8 @@ def code_reward(response: str, tests: dict | str, binary: bool = False, timeout:
             rc, out, timed_out = run_sandboxed(harness, nonce + "\n", timeout)
             score = float(rc == 0 and not timed_out and out.strip().endswith(nonce))
         return float(score == 1.0) if binary else float(score)
+    except SandboxUnavailable:
+        raise  # a machine without the sandbox must not silently score every program 0
     except Exception:
         return 0.0
 
@@ -380,6 +428,8 @@ def compute_rewards(
     for k in set(kinds):
         if k not in ("math", "code"):
             raise ValueError(f"unknown reward kind {k!r} (expected 'math' or 'code')")
+    if "code" in kinds:
+        sandbox_mode()  # fail closed here, in the caller, not as a silent 0 in every worker
     scores = [0.0] * len(responses)
     counts = {"timeouts": 0, "errors": 0}
     todo = list(range(len(responses)))[::-1]

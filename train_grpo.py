@@ -308,15 +308,21 @@ def make_vllm(model_path: str, args, rank: int, local_rank: int):
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda record: record.getMessage() not in expected)
 
-    kw = {}
+    max_len = args.max_prompt_len + args.max_response_len
     if torch.cuda.is_available():
-        kw.update(gpu_memory_utilization=args.vllm_gpu_memory, enable_sleep_mode=True, dtype="bfloat16")
+        kw = dict(gpu_memory_utilization=args.vllm_gpu_memory, enable_sleep_mode=True, dtype="bfloat16")
     else:
-        kw.update(dtype="float32", enforce_eager=True)
-    return LLM(
-        model=model_path, max_model_len=args.max_prompt_len + args.max_response_len,
-        seed=args.seed + rank, tensor_parallel_size=1, **kw,
-    )
+        kw = vllm_cpu_kwargs(max_len)
+    return LLM(model=model_path, max_model_len=max_len, seed=args.seed + rank, tensor_parallel_size=1, **kw)
+
+
+def vllm_cpu_kwargs(max_model_len: int) -> dict:
+    # vLLM's CPU sampler cannot rewind a seeded request's generator when chunked prefill splits
+    # its prompt ("CPU Generator does not use offset"), which happens as soon as a batch's prompt
+    # tokens exceed the token budget. Prefill whole prompts instead, with a budget that holds
+    # the longest (vLLM's CPU platform does the same for MLA models).
+    return dict(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
+                max_num_batched_tokens=max(max_model_len, 4096))
 
 
 def sync_weights_to_vllm(engine, llm) -> None:
@@ -362,14 +368,18 @@ def sampling_seed(seed: int, step: int, prompt_index: int, group_size: int) -> i
 # Data, evaluation, checkpoints, logging
 
 
-def load_prompts(spec: str, tokenizer, args, limit: int | None = None) -> tuple[list[dict], int]:
-    """Rows with their rendered, tokenized prompt; drops (and counts) over-long prompts."""
+def load_prompts(
+    spec: str, tokenizer, args, limit: int | None = None, train: bool = False
+) -> tuple[list[dict], int]:
+    """Rows with their rendered, tokenized prompt; drops (and counts) over-long prompts.
+    train: a training set, deduplicated by prompt (held-out sets are taken as published)."""
     from data.prepare import load_rows
     from data.templates import render_prompt
 
     rows, dropped = [], 0
-    for row in load_rows(spec):
-        ids = tokenizer(render_prompt(row["prompt"], args.template, tokenizer), add_special_tokens=False)["input_ids"]
+    for row in load_rows(spec, train=train):
+        text = render_prompt(row["prompt"], args.template, tokenizer, row["kind"])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > args.max_prompt_len:
             dropped += 1
             continue
@@ -411,12 +421,8 @@ def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_
 
     shard = rows[rank::world]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_response_len)
-    sampled = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_response_len,
-        n=args.eval_samples, seed=sampling_seed(args.seed + 1, step, rank, args.eval_samples),
-    )
     g_out = generate(llm, shard, [greedy] * len(shard))
-    s_out = generate(llm, shard, [sampled] * len(shard))
+    s_out = generate(llm, shard, eval_sampling_params(args, step, range(rank, len(rows), world)))
     g_text = [o.outputs[0].text for o in g_out]
     s_text = [c.text for o in s_out for c in o.outputs]
     g_score = compute_rewards(g_text, [reference(r) for r in shard], [r["kind"] for r in shard], args.reward_workers)
@@ -436,6 +442,16 @@ def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_
                 for s in part:
                     f.write(json.dumps(s) + "\n")
     return {"eval/acc_greedy": (t[0] / t[2]).item(), f"eval/acc@{k}": (t[1] / t[3]).item()}
+
+
+def eval_sampling_params(args, step: int, prompt_indices) -> list:
+    """Sampled-evaluation parameters, one seed per held-out prompt (by its index in the whole
+    set), so every prompt has its own random stream whatever the number of ranks."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_response_len,
+                           n=args.eval_samples, seed=sampling_seed(args.seed + 1, step, i, args.eval_samples))
+            for i in prompt_indices]
 
 
 def rng_state() -> dict:
@@ -601,7 +617,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.integrations import HfDeepSpeedConfig
     from vllm import SamplingParams
 
-    from rewards import compute_rewards
+    from rewards import SandboxUnavailable, compute_rewards
 
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -631,9 +647,13 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len} "
                              f"exceeds the model's context of {context} tokens")
         args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        train_rows, dropped = load_prompts(args.dataset, tokenizer, args)
+        train_rows, dropped = load_prompts(args.dataset, tokenizer, args, train=True)
         eval_rows = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit)[0] if args.eval_dataset else []
-    except (ValueError, OSError) as e:
+        if any(r["kind"] == "code" for r in train_rows + eval_rows):
+            from rewards import sandbox_mode
+
+            sandbox_mode()  # code rewards fail closed without bubblewrap: say so before any engine starts
+    except (ValueError, OSError, SandboxUnavailable) as e:
         sys.exit(f"train_grpo.py: error: {str(e).splitlines()[0]}")
 
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841  (makes from_pretrained load partitioned)

@@ -12,6 +12,9 @@ Code `tests` are what rewards.code_reward takes: {"test", "entry_point"[, "prelu
 
 `load_rows(spec)` accepts a name of DATASETS, a prepared or raw .jsonl/.json/.parquet file,
 or any Hugging Face dataset name whose rows `convert` understands, plus "demo"/"demo-test".
+Training sets are deduplicated by prompt (DAPO-Math-17k's file repeats each problem ~100
+times), in Arrow before any row becomes a Python object, and the count dropped is printed;
+benchmarks are taken as published. Ids must be unique: evaluation keys results by id.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from pathlib import Path
 
 PREPARED_DIR = Path(__file__).resolve().parent / "prepared"
 
-# name -> Hugging Face (repo, config, split) and the file name a local copy goes by.
+# name -> Hugging Face (repo, config, split), the file name a local copy goes by, and whether
+# it is a training set (deduplicated by prompt). A hub id of this table loads with its entry.
 DATASETS: dict[str, dict] = {
     # training sets
-    "dapo17k": {"hf": ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"), "file": "dapo_math_17k_sample.jsonl"},
-    "polaris": {"hf": ("POLARIS-Project/Polaris-Dataset-53K", None, "train"), "file": "polaris.jsonl"},
+    "dapo17k": {"hf": ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"), "file": "dapo_math_17k_sample.jsonl",
+                "train": True},
+    "polaris": {"hf": ("POLARIS-Project/Polaris-Dataset-53K", None, "train"), "file": "polaris.jsonl", "train": True},
     # math benchmarks
     "aime24": {"hf": ("HuggingFaceH4/aime_2024", None, "train"), "file": "aime24.jsonl"},
     "aime25": {"hf": ("yentinglin/aime_2025", None, "train"), "file": "aime25.jsonl"},
@@ -39,7 +44,10 @@ DATASETS: dict[str, dict] = {
     "gsm8k": {"hf": ("openai/gsm8k", "main", "test"), "file": "gsm8k_test.jsonl"},
     # code benchmarks
     "humaneval": {"hf": ("openai/openai_humaneval", None, "test"), "file": "humaneval.jsonl"},
-    "mbpp": {"hf": ("google-research-datasets/mbpp", "sanitized", "test"), "file": "mbpp_sanitized.jsonl"},
+    # MBPP's test split is task_ids 11-510 (257 of the 427 sanitized problems); a local copy of
+    # every split is cut to it, so that `mbpp` means the same 257 problems everywhere.
+    "mbpp": {"hf": ("google-research-datasets/mbpp", "sanitized", "test"), "file": "mbpp_sanitized.jsonl",
+             "task_ids": (11, 510)},
     # LiveCodeBench's hub copy needs its own loader script: prepare it from a JSONL copy
     # (rllm's format: problem, starter_code, tests) with --from.
     "livecodebench": {"hf": None, "file": "livecodebench_public.jsonl"},
@@ -53,18 +61,21 @@ CODE_PRELUDE = (
 )
 
 
-def _code_prompt(text: str) -> str:
-    return f"{text}\n\nWrite your solution as a complete program or function in one ```python code block."
+STDIN_INSTRUCTION = "Read the input from standard input and print the answer to standard output."
 
 
 def convert(row: dict, source: str, i: int) -> dict:
     """One raw row of any supported dataset -> the prepared format (ValueError if unusable)."""
-    rid = row.get("id") or row.get("task_id") or row.get("unique_id")
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    rid = row.get("id") or row.get("task_id") or row.get("unique_id") or extra.get("index")
     rid = str(rid) if rid is not None else f"{source}/{i}"
     out = {"id": rid, "source": row.get("source") or source}
     if "entry_point" in row and "test" in row:  # HumanEval
-        prompt = _code_prompt(f"Complete this function:\n```python\n{row['prompt']}```")
-        tests = {"test": row["test"], "entry_point": row["entry_point"]}
+        prompt = f"Complete this function:\n```python\n{row['prompt']}```"
+        # The prompt's code (imports, helpers such as `poly` or `is_palindrome`, the documented
+        # signature) runs before the response, so an answer that defines only the entry point
+        # finds what the tests use; a response without it leaves the docstring-only stub.
+        tests = {"test": row["test"], "entry_point": row["entry_point"], "prelude": row["prompt"]}
         return {**out, "kind": "code", "prompt": prompt, "tests": tests}
     if "test_list" in row:  # MBPP
         defined = re.findall(r"^def (\w+)\s*\(", row.get("code", ""), re.M)
@@ -75,27 +86,38 @@ def convert(row: dict, source: str, i: int) -> dict:
         test = "\n".join(row.get("test_imports") or []) + "\ndef check(candidate):\n"
         name = re.compile(rf"\b{entry}\b")  # the asserts call the function as `candidate`
         test += "".join(f"    {name.sub('candidate', a)}\n" for a in row["test_list"])
-        prompt = _code_prompt(f"{row.get('prompt') or row.get('text')}\nYour code should pass these tests:\n"
-                              + "\n".join(row["test_list"]))
+        prompt = f"{row.get('prompt') or row.get('text')}\nYour code should pass these tests:\n" + "\n".join(
+            row["test_list"])
         return {**out, "kind": "code", "prompt": prompt, "tests": {"test": test, "entry_point": entry}}
     cases = row.get("tests") or row.get("public_test_cases")
     if cases and ("starter_code" in row or "question_content" in row):  # LiveCodeBench
         cases = json.loads(cases) if isinstance(cases, str) else cases
         starter = row.get("starter_code") or ""
         problem = row.get("problem") or row.get("question_content")
+        if isinstance(cases, dict):  # APPS/TACO style, as rllm ships some rows
+            if cases.get("fn_name") or not isinstance(cases.get("inputs"), list) or not isinstance(
+                    cases.get("outputs"), list) or len(cases["inputs"]) != len(cases["outputs"]):
+                raise ValueError(f"{source}: row {i} has tests as a dict that is not stdin/stdout "
+                                 "{'inputs': [...], 'outputs': [...]}; give a list of {input, output, testtype}")
+            cases = [{"input": x, "output": y, "testtype": "stdin"} for x, y in zip(cases["inputs"], cases["outputs"])]
+        if not isinstance(cases, list) or not all(isinstance(c, dict) and "input" in c and "output" in c
+                                                  for c in cases):
+            raise ValueError(f"{source}: row {i} has tests that are not a list of {{input, output, testtype}}")
         if all(c.get("testtype", "stdin") == "stdin" for c in cases):
             tests = {"stdio": [{"input": c["input"], "output": c["output"]} for c in cases]}
-            prompt = _code_prompt(f"{problem}\n\nRead the input from stdin and write the answer to stdout.")
+            prompt = f"{problem}\n\n{STDIN_INSTRUCTION}"
         else:
             method = re.search(r"def (\w+)\(\s*self", starter)
             if not method:
                 raise ValueError(f"{source}: row {i} has functional tests but no method in starter_code")
             pairs = [(c["input"], c["output"]) for c in cases]
+            # As LiveCodeBench's own harness: a returned tuple counts as the list it equals.
             test = (f"import json\nCASES = {pairs!r}\ndef check(candidate):\n    for args, expected in CASES:\n"
                     "        args = [json.loads(a) for a in args.split('\\n')]\n"
-                    f"        assert getattr(candidate(), {method.group(1)!r})(*args) == json.loads(expected)\n")
+                    f"        got = getattr(candidate(), {method.group(1)!r})(*args)\n"
+                    "        assert (list(got) if isinstance(got, tuple) else got) == json.loads(expected)\n")
             tests = {"test": test, "entry_point": "Solution", "prelude": CODE_PRELUDE}
-            prompt = _code_prompt(f"{problem}\n\nComplete this starter code:\n```python\n{starter}\n```")
+            prompt = f"{problem}\n\nComplete this starter code:\n```python\n{starter}\n```"
         return {**out, "kind": "code", "prompt": prompt, "tests": tests}
     # math
     prompt = row.get("prompt")
@@ -106,6 +128,10 @@ def convert(row: dict, source: str, i: int) -> dict:
     for key in ("answer", "final_answer", "Answer", "ground_truth"):
         if answer is None or answer == "":
             answer = row.get(key)
+    if (answer is None or answer == "") and isinstance(row.get("solution"), str):
+        from rewards import last_boxed  # Minerva as Qwen2.5-Math ships it: the answer is in the solution
+
+        answer = last_boxed(row["solution"])
     if isinstance(answer, list):  # OlympiadBench: a list of final answers
         answer = ", ".join(str(a).strip("$") for a in answer)
     if isinstance(answer, str) and "####" in answer:  # GSM8K's raw answer field
@@ -119,40 +145,83 @@ def convert(row: dict, source: str, i: int) -> dict:
     return {**out, "kind": "math", "prompt": prompt, "answer": str(answer).strip()}
 
 
-def dedupe(rows: list[dict]) -> list[dict]:
-    """Drop repeated prompts (DAPO-Math-17k's published file repeats each one many times)."""
+def dedupe(rows: list[dict], source: str = "") -> list[dict]:
+    """Drop repeated prompts of a training set, keeping the first; says how many were dropped."""
     seen, out = set(), []
     for row in rows:
         if row["prompt"] not in seen:
             seen.add(row["prompt"])
             out.append(row)
+    if len(out) < len(rows) and source:
+        print(f"[data] {source}: {len(rows) - len(out)} repeated prompts dropped, {len(out)} unique", flush=True)
     return out
 
 
-def _read_file(path: str) -> list[dict]:
+def _prompt_keys(table):
+    """One string per row of an Arrow table, equal for equal prompts, computed in Arrow (no rows as
+    Python objects); None when the prompt column has a shape this does not know."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = next((c for c in ("prompt", "problem", "question", "Problem") if c in table.column_names), None)
+    if col is None:
+        return None
+    arr = table.column(col).combine_chunks()
+    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        return arr
+    if pa.types.is_list(arr.type) and pa.types.is_struct(arr.type.value_type) \
+            and arr.type.value_type.get_field_index("content") >= 0:  # chat format (verl/DAPO)
+        contents = pc.struct_field(arr.values, "content")
+        return pc.binary_join(pa.ListArray.from_arrays(arr.offsets, contents), "\n")
+    return None
+
+
+def _dedupe_arrow(ds, source: str):
+    """The first row of every distinct prompt of a `datasets.Dataset`, selected in Arrow."""
+    import pyarrow as pa
+
+    keys = _prompt_keys(ds.data.table)
+    if keys is None:
+        return ds
+    first = pa.table({"k": keys, "i": pa.array(range(len(keys)), pa.int64())}).group_by("k").aggregate([("i", "min")])
+    keep = sorted(first.column("i_min").to_pylist())
+    if len(keep) < len(ds):
+        print(f"[data] {source}: {len(ds) - len(keep)} repeated prompts dropped, {len(keep)} unique", flush=True)
+    return ds.select(keep)
+
+
+def _read_file(path: str):
     import datasets
 
     kind = "parquet" if path.endswith(".parquet") else "json"
     try:
-        return list(datasets.load_dataset(kind, data_files=path, split="train"))
+        return datasets.load_dataset(kind, data_files=path, split="train")
     except Exception as e:  # datasets wraps parse errors in several exception types
         raise ValueError(f"cannot read dataset {path}: {str(e).splitlines()[0]}") from None
 
 
-def _read_hub(repo: str, config: str | None, split: str) -> list[dict]:
+def _read_hub(repo: str, config: str | None, split: str):
     import datasets
 
     try:
-        return list(datasets.load_dataset(repo, config, split=split))
+        return datasets.load_dataset(repo, config, split=split)
     except Exception as e:
-        raise ValueError(f"cannot load {repo} from the Hugging Face hub: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"cannot load {repo} ({config or 'default'}, {split}) from the Hugging Face hub: "
+                         f"{str(e).splitlines()[0]}") from None
 
 
 def _is_prepared(row: dict) -> bool:
     return row.get("kind") in ("math", "code") and "prompt" in row and ("answer" in row or "tests" in row)
 
 
-def rows_from(raw: list[dict], source: str) -> list[dict]:
+def rows_from(raw, source: str, train: bool = False) -> list[dict]:
+    """Prepared rows from raw ones (a list of dicts or a `datasets.Dataset`).
+
+    train: deduplicate by prompt (in Arrow first when `raw` is a Dataset). Raises ValueError
+    on unusable rows and on repeated ids.
+    """
+    if train and hasattr(raw, "data"):
+        raw = _dedupe_arrow(raw, source)
     out = []
     for i, row in enumerate(raw):
         if _is_prepared(row):
@@ -165,32 +234,56 @@ def rows_from(raw: list[dict], source: str) -> list[dict]:
                         "tests": json.loads(tests) if isinstance(tests, str) else tests})
         else:
             out.append(convert(row, source, i))
-    return dedupe(out)
+    if train:
+        out = dedupe(out, source)
+    seen: set[str] = set()
+    for row in out:
+        if row["id"] in seen:
+            raise ValueError(f"{source}: id {row['id']!r} appears more than once; ids must be unique "
+                             "(evaluation keys results by id)")
+        seen.add(row["id"])
+    return out
 
 
-def load_rows(spec: str, data_dir: str | None = None) -> list[dict]:
+def _task_range(rows: list[dict], spec: dict) -> list[dict]:
+    lo, hi = spec.get("task_ids", (None, None))
+    if lo is None:
+        return rows
+    task_id = lambda r: str(r["id"]).rsplit("/", 1)[-1]  # noqa: E731  ("mbpp/11" or 11)
+    return [r for r in rows if not task_id(r).isdigit() or lo <= int(task_id(r)) <= hi]
+
+
+def load_rows(spec: str, data_dir: str | None = None, train: bool | None = None) -> list[dict]:
     """Rows of a dataset in the prepared format; raises ValueError with a one-line reason.
 
     A name of DATASETS is looked for as data_dir/<file>, then data/prepared/<name>.jsonl, and
-    is otherwise downloaded from the hub.
+    is otherwise loaded from the hub with its entry's config and split, as is its hub id.
+    train: deduplicate prompts (default: as DATASETS says; False for files and other names).
     """
     if spec in ("demo", "demo-test"):
         from data.demo import ensure_demo
 
         spec = str(ensure_demo() / ("train.jsonl" if spec == "demo" else "test.jsonl"))
+    if spec in HF_NAMES:  # a hub id this table knows: its own config and split
+        name = HF_NAMES[spec]
+        entry = DATASETS[name]
+        dedup = entry.get("train", False) if train is None else train
+        return _task_range(rows_from(_read_hub(*entry["hf"]), name, dedup), entry)
     if spec in DATASETS:
-        local = [Path(data_dir) / DATASETS[spec]["file"]] if data_dir else []
+        entry = DATASETS[spec]
+        dedup = entry.get("train", False) if train is None else train
+        local = [Path(data_dir) / entry["file"]] if data_dir else []
         local.append(PREPARED_DIR / f"{spec}.jsonl")
         for path in local:
             if path.exists():
-                return rows_from(_read_file(str(path)), spec)
-        if DATASETS[spec]["hf"] is None:
+                return _task_range(rows_from(_read_file(str(path)), spec, dedup), entry)
+        if entry["hf"] is None:
             raise ValueError(f"{spec}: no local copy found ({', '.join(map(str, local))}); prepare it with --from")
-        return rows_from(_read_hub(*DATASETS[spec]["hf"]), spec)
+        return _task_range(rows_from(_read_hub(*entry["hf"]), spec, dedup), entry)
     if os.path.exists(spec):
-        return rows_from(_read_file(spec), Path(spec).stem)
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):  # a hub dataset name
-        return rows_from(_read_hub(spec, None, "train"), HF_NAMES.get(spec, spec))
+        return rows_from(_read_file(spec), Path(spec).stem, bool(train))
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):  # another hub dataset: its train split
+        return rows_from(_read_hub(spec, None, "train"), spec, bool(train))
     known = ", ".join(["demo", "demo-test", *DATASETS])
     raise ValueError(f"unknown dataset {spec!r}: not a file, not a hub name, not one of {known}")
 
@@ -207,7 +300,8 @@ def main() -> None:
         try:
             if args.source and os.path.isfile(args.source):
                 raw = _read_file(args.source)
-                rows = rows_from(raw, name)
+                entry = DATASETS.get(name, {})
+                rows = _task_range(rows_from(raw, name, entry.get("train", False)), entry)
             else:
                 raw = None
                 rows = load_rows(name, data_dir=args.source)
@@ -219,7 +313,7 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
         read = f"{len(raw)} read, " if raw is not None else ""
         kinds = {k: sum(r["kind"] == k for r in rows) for k in ("math", "code")}
-        print(f"{name}: {read}{len(rows)} unique rows ({kinds['math']} math, {kinds['code']} code) -> {dest}")
+        print(f"{name}: {read}{len(rows)} rows ({kinds['math']} math, {kinds['code']} code) -> {dest}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 TEMPLATES = ("plain", "chat", "boxed", "dapo")
 
+# Code rows (kind "code") get this instead of any math instruction, under every template. Rows
+# with stdin/stdout tests also carry data.prepare.STDIN_INSTRUCTION in their prompt.
+CODE_INSTRUCTION = "Write your solution as a complete program or function in one ```python code block."
+
 
 def _chat(tokenizer, content: str) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
@@ -27,15 +31,24 @@ def _chat(tokenizer, content: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def render_prompt(prompt: str, template: str, tokenizer=None) -> str:
+def render_prompt(prompt: str, template: str, tokenizer=None, kind: str = "math") -> str:
     """Turn a row's prompt into the exact text the policy continues.
 
+    Math rows (kind "math"):
     plain: completion format for base models ("Question: ...\\nAnswer:").
     chat:  the tokenizer's chat template around the prompt as given (DAPO rows keep their
            `Answer:` instruction this way).
     boxed: chat template, prompt + the Qwen-Math "\\boxed{}" instruction.
     dapo:  chat template, prompt wrapped in DAPO's prefix/suffix unless it already has them.
+    Code rows (kind "code"): the prompt + CODE_INSTRUCTION, in the chat template (chat, boxed,
+    dapo) or as "Question: ...\\nSolution:" (plain); never a math instruction.
     """
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; choose one of {', '.join(TEMPLATES)}")
+    if kind == "code":
+        if CODE_INSTRUCTION not in prompt:
+            prompt = f"{prompt}\n\n{CODE_INSTRUCTION}"
+        return f"Question: {prompt}\nSolution:" if template == "plain" else _chat(tokenizer, prompt)
     if template == "plain":
         return f"Question: {prompt}\nAnswer:"
     if template == "chat":

@@ -5,14 +5,14 @@ import json
 import pytest
 from conftest import BENCHMARKS
 
-from data.prepare import convert, dedupe, load_rows
-from data.templates import DAPO_PREFIX, DAPO_SUFFIX, render_prompt
+from data.prepare import DATASETS, STDIN_INSTRUCTION, convert, dedupe, load_rows
+from data.templates import CODE_INSTRUCTION, DAPO_PREFIX, DAPO_SUFFIX, TEMPLATES, render_prompt
 from rewards import compute_rewards
 
 
 @pytest.mark.parametrize("name,count,kind", [
     ("aime24", 30, "math"), ("amc23", 40, "math"), ("math500", 500, "math"), ("gsm8k", 1319, "math"),
-    ("dapo17k", 106, "math"), ("humaneval", 164, "code"), ("mbpp", 427, "code"), ("livecodebench", 279, "code"),
+    ("dapo17k", 106, "math"), ("humaneval", 164, "code"), ("mbpp", 257, "code"), ("livecodebench", 279, "code"),
 ])
 def test_local_benchmark_files_convert(name, count, kind):
     rows = load_rows(name, data_dir=str(BENCHMARKS))
@@ -34,6 +34,77 @@ def test_dapo_rows_keep_the_answer_instruction():
 def test_dedupe_drops_repeated_prompts():
     rows = [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 2}, {"prompt": "a", "id": 3}]
     assert [r["id"] for r in dedupe(rows)] == [1, 2]
+
+
+def test_only_training_sets_are_deduplicated_and_the_count_is_printed(tmp_path, capsys):
+    path = tmp_path / "bench.jsonl"
+    rows = [{"id": f"q{i}", "problem": "What is 1+1?" if i < 3 else f"What is {i}+1?", "answer": "2"} for i in range(5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(load_rows(str(path))) == 5  # a benchmark: taken as published
+    assert capsys.readouterr().out == ""
+    assert [r["id"] for r in load_rows(str(path), train=True)] == ["q0", "q3", "q4"]
+    assert "2 repeated prompts dropped, 3 unique" in capsys.readouterr().out
+
+
+def test_repeated_ids_are_refused(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    path.write_text("".join(json.dumps({"id": "x", "problem": f"q{i}", "answer": "1"}) + "\n" for i in range(2)))
+    with pytest.raises(ValueError, match="id 'x' appears more than once"):
+        load_rows(str(path))
+
+
+def test_training_set_is_deduplicated_in_arrow_before_conversion(tmp_path, monkeypatch):
+    """DAPO-17k's parquet (1.79M rows, verl chat format) must not become 1.79M Python rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import data.prepare as prepare
+
+    n, unique = 3000, 30
+    prompts = [[{"role": "user", "content": f"{DAPO_PREFIX}What is {i % unique}+1?{DAPO_SUFFIX}"}] for i in range(n)]
+    table = pa.table({"data_source": ["math_dapo"] * n, "prompt": prompts,
+                      "reward_model": [{"ground_truth": str(i % unique + 1), "style": "rule"} for i in range(n)],
+                      "extra_info": [{"index": f"uuid-{i}"} for i in range(n)]})
+    pq.write_table(table, tmp_path / "dapo.parquet")
+    converted = []
+    real_convert = prepare.convert
+    monkeypatch.setattr(prepare, "convert", lambda row, source, i: converted.append(i) or real_convert(row, source, i))
+    rows = load_rows(str(tmp_path / "dapo.parquet"), train=True)
+    assert len(rows) == unique and len(converted) == unique  # only the unique rows were ever converted
+    assert [r["answer"] for r in rows] == [str(i + 1) for i in range(unique)]
+    assert [r["id"] for r in rows] == [f"uuid-{i}" for i in range(unique)]  # DAPO's own index as the id
+
+
+HUB_IDS = {name: spec["hf"] for name, spec in DATASETS.items() if spec["hf"]}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_IDS))
+def test_hub_ids_load_with_their_own_config_and_split(name, monkeypatch):
+    import datasets
+
+    repo, config, split = HUB_IDS[name]
+    calls = []
+
+    def load_dataset(path, name=None, split=None, **kw):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list([{"id": "a", "problem": "What is 1+1?", "answer": "2"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert len(load_rows(repo)) == 1 and len(load_rows(name)) == 1
+    assert calls == [(repo, config, split)] * 2
+
+
+def test_local_mbpp_is_the_test_split_like_the_hub():
+    rows = load_rows("mbpp", data_dir=str(BENCHMARKS))
+    ids = sorted(int(r["id"].rsplit("/", 1)[1]) for r in rows)
+    assert len(ids) == 257 and ids[0] >= 11 and ids[-1] <= 510
+
+
+def test_minerva_answer_comes_from_the_solution():
+    row = {"problem": "Find x.", "solution": "So $x = \\boxed{2.5 \\times 10^{3}}$ m. Then \\boxed{7}", "idx": 3}
+    assert convert(row, "minerva", 0)["answer"] == "7"
+    with pytest.raises(ValueError, match="no 'answer'"):
+        convert({"problem": "Find x.", "solution": "no box here"}, "minerva", 0)
 
 
 def test_gsm8k_hub_format_and_olympiad_list_answers():
@@ -62,10 +133,50 @@ def test_livecodebench_functional_tests_run_against_a_solution():
     assert compute_rewards([good, wrong], [tests, tests], ["code", "code"], 2) == [1.0, 0.0]
 
 
+def test_livecodebench_functional_tuple_counts_as_list():
+    row = {"problem": "Pair up.", "starter_code": "class Solution:\n    def pair(self, a: int) -> List[int]:\n",
+           "tests": [{"input": "3", "output": "[3, 4]", "testtype": "functional"}]}
+    tests = convert(row, "livecodebench", 0)["tests"]
+    as_tuple = "```python\nclass Solution:\n    def pair(self, a):\n        return (a, a + 1)\n```"
+    wrong = as_tuple.replace("a + 1", "a + 2")
+    assert compute_rewards([as_tuple, wrong], [tests, tests], ["code", "code"], 2) == [1.0, 0.0]
+
+
+def test_rllm_dict_tests():
+    row = {"problem": "Echo.", "starter_code": "", "tests": {"inputs": ["1\n", "2\n"], "outputs": ["1\n", "2\n"]}}
+    assert convert(row, "lcb", 0)["tests"] == {"stdio": [{"input": "1\n", "output": "1\n"},
+                                                        {"input": "2\n", "output": "2\n"}]}
+    with pytest.raises(ValueError, match="row 4 has tests as a dict"):
+        convert({**row, "tests": {"fn_name": "f", "inputs": [[1]], "outputs": [1]}}, "lcb", 4)
+    with pytest.raises(ValueError, match="row 5 has tests that are not a list"):
+        convert({**row, "tests": ["1 2"]}, "lcb", 5)
+
+
 def test_livecodebench_stdin_rows_become_stdio_tests():
     rows = load_rows("livecodebench", data_dir=str(BENCHMARKS))
     stdin = [r for r in rows if "stdio" in r["tests"]]
     assert len(stdin) == 175 and all(set(c) == {"input", "output"} for r in stdin for c in r["tests"]["stdio"])
+
+
+class ChatTokenizer:
+    chat_template = "<user>{content}</user><assistant>"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return self.chat_template.format(content=messages[-1]["content"])
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_code_rows_never_get_a_math_instruction(template):
+    rows = [r for name in ("humaneval", "mbpp", "livecodebench") for r in load_rows(name, data_dir=str(BENCHMARKS))]
+    for r in rows:
+        text = render_prompt(r["prompt"], template, ChatTokenizer(), r["kind"])
+        assert CODE_INSTRUCTION in text and text.count(CODE_INSTRUCTION) == 1
+        assert "boxed" not in text.replace(r["prompt"], "") and DAPO_PREFIX not in text and DAPO_SUFFIX not in text
+        assert not text.rstrip().endswith("Answer:")
+        assert (STDIN_INSTRUCTION in text) == ("stdio" in r["tests"])
+        assert (template == "plain") != text.startswith("<user>")
+    math_row = render_prompt("What is 1+1?", template, ChatTokenizer(), "math")
+    assert CODE_INSTRUCTION not in math_row
 
 
 def test_templates():

@@ -4,6 +4,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -154,6 +155,30 @@ def test_humaneval_canonical_solutions_pass_and_wrong_bodies_fail():
     assert sum(empty) == 0 and sum(none) == 0
 
 
+HELPER_PROBLEMS = ("HumanEval/10", "HumanEval/32", "HumanEval/38", "HumanEval/50")  # use helpers from the prompt
+
+
+def entry_point_only(row: dict) -> str:
+    """A correct answer as models write it: just the entry-point function, no helpers, no imports."""
+    start = row["prompt"].index(f"def {row['entry_point']}(")
+    return fenced(row["prompt"][start:] + row["canonical_solution"])
+
+
+def test_humaneval_entry_point_only_answers_pass_and_stubs_fail():
+    from data.prepare import load_rows
+
+    raw = {r["task_id"]: r for r in humaneval()}
+    rows = load_rows("humaneval", data_dir=str(BENCHMARKS))
+    tests = [r["tests"] for r in rows]
+    good = compute_rewards([entry_point_only(raw[r["id"]]) for r in rows], tests, ["code"] * len(rows), 2)
+    assert [r["id"] for r, s in zip(rows, good) if s != 1.0] == []
+    assert all(g == 1.0 for r, g in zip(rows, good) if r["id"] in HELPER_PROBLEMS)
+    # the prelude's documented stub must not pass for the model: `pass` bodies, the prompt alone, no code
+    stub = compute_rewards([fenced(raw[r["id"]]["prompt"] + "    pass\n") for r in rows], tests, ["code"] * 164, 2)
+    echo = compute_rewards([fenced(raw[r["id"]]["prompt"]) for r in rows], tests, ["code"] * 164, 2)
+    assert sum(stub) == 0 and sum(echo) == 0
+
+
 ADD_TESTS = {"stdio": [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6"}]}
 
 
@@ -166,7 +191,10 @@ def test_stdio_tests_pass_fraction_and_whitespace():
 
 # -- code: hostile programs -------------------------------------------------------------------------
 
-FULL_ISOLATION = rewards.sandbox_mode() == "bwrap" or rewards._sandbox_uid(rewards.sandbox_mode()) >= 0
+try:
+    FULL_ISOLATION = rewards.sandbox_mode() == "bwrap" or rewards._sandbox_uid(rewards.sandbox_mode()) >= 0
+except rewards.SandboxUnavailable:
+    FULL_ISOLATION = False
 needs_isolation = pytest.mark.skipif(not FULL_ISOLATION, reason="no bubblewrap and cannot drop privileges here")
 ECHO_TEST = {"test": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "f"}
 
@@ -265,7 +293,58 @@ def test_cannot_kill_the_parent(clean_machine):
     assert os.getpid() > 0  # still alive to assert anything at all
 
 
+FLOOD = "while True:\n    print('x' * 10000)"
+
+
+@pytest.mark.parametrize("tests", [{"stdio": [{"input": "", "output": "ok"}]}, ECHO_TEST], ids=["stdio", "function"])
+def test_output_flood_is_cut_off(clean_machine, tests):
+    """Endless output scores 0 quickly, and the scorer's own memory stays bounded."""
+    code = ("import resource, sys, time\nsys.path.insert(0, sys.argv[1])\nfrom rewards import code_reward\n"
+            f"t0 = time.time()\ns = code_reward({fenced(FLOOD)!r}, {tests!r})\n"
+            "print(s, time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    res = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120)
+    score, secs, rss_kib = res.stdout.split()
+    assert float(score) == 0.0 and float(secs) < 20 and int(rss_kib) < 1024 * 1024
+
+
+def test_output_up_to_the_cap_is_read_whole(clean_machine):
+    size = rewards.CODE_MAX_OUTPUT_BYTES // 2
+    tests = {"stdio": [{"input": "", "output": "y" * size}]}
+    assert code_reward(fenced(f"import sys\nsys.stdout.write('y' * {size})"), tests) == 1.0
+    over = {"stdio": [{"input": "", "output": "y" * (2 * size + 10)}]}  # right answer, but past the cap
+    assert code_reward(fenced(f"import sys\nsys.stdout.write('y' * {2 * size + 10})"), over) == 0.0
+
+
 def test_exit_before_tests_does_not_pass(clean_machine):
     assert hostile("import sys\nsys.exit(0)\ndef f():\n    return 1", ECHO_TEST)[0] == 0.0
     assert hostile("import os\nprint('PASS')\nos._exit(0)", ECHO_TEST)[0] == 0.0
     assert hostile("def f():\n    return 1", ECHO_TEST)[0] == 1.0  # and a real solution does pass
+
+
+# -- fail closed without bubblewrap ----------------------------------------------------------------
+
+def score_code_with(env: dict) -> subprocess.CompletedProcess:
+    code = ("import sys\nsys.path.insert(0, sys.argv[1])\nfrom rewards import compute_rewards\n"
+            f"print(compute_rewards([{fenced('print(3)')!r}], [{ADD_TESTS!r}], ['code'], 1))")
+    return subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_code_rewards_fail_closed_without_bubblewrap(tmp_path):
+    no_bwrap = {"PATH": str(tmp_path)}  # a PATH on which bwrap (and unshare) cannot be found
+    res = score_code_with(no_bwrap)
+    assert res.returncode != 0 and "need bubblewrap" in res.stderr and "REWARDS_SANDBOX" in res.stderr
+    assert res.stdout == ""
+    weaker = score_code_with({**no_bwrap, "REWARDS_SANDBOX": "rlimits"})  # an explicit opt-in runs, and says so
+    assert weaker.returncode == 0 and weaker.stdout.strip() == "[0.5]", weaker.stderr[-2000:]
+    assert "REWARDS_SANDBOX=rlimits" in weaker.stderr
+    bad = score_code_with({"REWARDS_SANDBOX": "none"})
+    assert bad.returncode != 0 and "REWARDS_SANDBOX='none'" in bad.stderr
+
+
+def test_math_rewards_need_no_sandbox(tmp_path):
+    code = "import sys\nsys.path.insert(0, sys.argv[1])\nfrom rewards import compute_rewards\n" \
+           "print(compute_rewards(['\\\\boxed{2}'], ['2'], ['math'], 1))"
+    res = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PATH": str(tmp_path)})
+    assert res.returncode == 0 and res.stdout.strip() == "[1.0]", res.stderr[-2000:]
