@@ -152,8 +152,8 @@ def evaluate_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[di
         with open(samples_file, "a") as f:
             for start in range(0, len(todo), args.chunk):
                 chunk = todo[start : start + args.chunk]
-                texts = [render_prompt(r["prompt"], args.template, tokenizer, r["kind"]) for _, r in chunk]
-                ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+                rendered = [render_prompt(r["prompt"], args.template, tokenizer, r["kind"]) for _, r in chunk]
+                ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in rendered]
                 # A prompt that leaves no room for the answer in the context scores 0 (counted).
                 too_long = [len(x) + args.max_tokens > max_len for x in ids]
                 for (_, r), skip in zip(chunk, too_long):

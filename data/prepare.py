@@ -193,6 +193,7 @@ def _dedupe_arrow(ds, source: str):
 def _read_file(path: str):
     import datasets
 
+    datasets.disable_progress_bars()
     kind = "parquet" if path.endswith(".parquet") else "json"
     try:
         return datasets.load_dataset(kind, data_files=path, split="train")
@@ -203,6 +204,7 @@ def _read_file(path: str):
 def _read_hub(repo: str, config: str | None, split: str):
     import datasets
 
+    datasets.disable_progress_bars()
     try:
         return datasets.load_dataset(repo, config, split=split)
     except Exception as e:

@@ -28,3 +28,37 @@ def deepspeed_run(nproc: int, script: str, *args: str, port: int = 29611, timeou
     launcher = Path(sys.executable).parent / "deepspeed"
     cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), script, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def long_demo_model(demo_dir, tmp_path_factory) -> Path:
+    """The demo model with a 4096-token context and a chat template, for real-length prompts: its
+    byte-level tokenizer spells English at about one token per character (MATH-500 prompts are
+    ~140 tokens, DAPO's ~450, LiveCodeBench's ~1400)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path_factory.mktemp("models") / "demo-4k-chat"
+    shutil.copytree(demo_dir / "model", model, ignore=shutil.ignore_patterns("eval"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    tok.save_pretrained(model)
+    return model
+
+
+@pytest.fixture
+def path_without_bwrap(tmp_path) -> str:
+    """A PATH with every program of the current one but bubblewrap (ninja, gcc, unshare stay)."""
+    farm = tmp_path / "bin"
+    farm.mkdir()
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        if os.path.isdir(d):
+            for name in os.listdir(d):
+                if name != "bwrap" and not (farm / name).exists():
+                    (farm / name).symlink_to(os.path.join(d, name))
+    return str(farm)

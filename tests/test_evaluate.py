@@ -131,3 +131,13 @@ def test_checkpoint_without_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     res = evaluate("--model", str(tmp_path), "--benchmarks", "demo-test")
     assert res.returncode != 0 and "Traceback" not in res.stderr and "no model weights" in res.stderr
+
+
+def test_code_benchmark_without_bubblewrap_fails_in_one_line(demo_dir, tmp_path, path_without_bwrap):
+    import os
+
+    res = subprocess.run([sys.executable, "evaluate.py", "--model", str(demo_dir / "model"), "--benchmarks",
+                          "math500,humaneval", "--data-dir", str(BENCHMARKS)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PATH": path_without_bwrap})
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "evaluate.py: error: code rewards run model-written code and need bubblewrap" in res.stderr

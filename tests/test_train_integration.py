@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, deepspeed_run
+from conftest import BENCHMARKS, ROOT, deepspeed_run
 
 STEPS = 3
 FLAGS = ["--steps", str(STEPS), "--prompts-per-step", "8", "--group-size", "4", "--micro-batch-size", "4",
@@ -99,3 +99,13 @@ def test_dataset_row_without_answer(demo_dir, tmp_path):
     res = bad_input("--dataset", str(data), "--eval-dataset", str(data), "--output-dir", str(tmp_path / "run"))
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "row 1 has no 'answer'" in res.stderr
+
+
+def test_code_dataset_without_bubblewrap_fails_in_one_line(demo_dir, tmp_path, path_without_bwrap):
+    import os
+
+    res = bad_input("--dataset", str(BENCHMARKS / "humaneval.jsonl"), "--max-prompt-len", "480",
+                    "--output-dir", str(tmp_path / "run"),
+                    env={**os.environ, "PATH": path_without_bwrap})
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "train_grpo.py: error: code rewards run model-written code and need bubblewrap" in res.stderr
