@@ -321,8 +321,16 @@ def main(argv: list[str] | None = None) -> None:
             from rewards import sandbox_mode
 
             sandbox_mode()  # code rewards fail closed without bubblewrap: say so before the engine starts
-    except (ValueError, RuntimeError) as e:
-        sys.exit(f"evaluate.py: error: {e}")
+        from transformers import AutoTokenizer
+
+        from data.templates import render_prompt
+
+        first = AutoTokenizer.from_pretrained(next(c for ckpts in jobs.values() for _, c in ckpts))
+        for rows in benchmarks.values():  # e.g. a chat template asked of a tokenizer without one
+            for kind in {r["kind"] for r in rows}:
+                render_prompt("", args.template, first, kind)
+    except (ValueError, RuntimeError, OSError) as e:
+        sys.exit(f"evaluate.py: error: {str(e).splitlines()[0]}")
 
     from transformers import AutoTokenizer
 
