@@ -158,22 +158,29 @@ def dedupe(rows: list[dict], source: str = "") -> list[dict]:
 
 
 def _prompt_keys(table):
-    """One string per row of an Arrow table, equal for equal prompts, computed in Arrow (no rows as
-    Python objects); None when the prompt column has a shape this does not know."""
+    """One string per row of an Arrow table, equal for equal prompts, computed chunk by chunk in
+    Arrow (no row becomes a Python object); None when the prompt column has another shape."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     col = next((c for c in ("prompt", "problem", "question", "Problem") if c in table.column_names), None)
     if col is None:
         return None
-    arr = table.column(col).combine_chunks()
-    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-        return arr
-    if pa.types.is_list(arr.type) and pa.types.is_struct(arr.type.value_type) \
-            and arr.type.value_type.get_field_index("content") >= 0:  # chat format (verl/DAPO)
-        contents = pc.struct_field(arr.values, "content")
-        return pc.binary_join(pa.ListArray.from_arrays(arr.offsets, contents), "\n")
-    return None
+    column = table.column(col)
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        return column
+    if not (pa.types.is_list(column.type) and pa.types.is_struct(column.type.value_type)
+            and column.type.value_type.get_field_index("content") >= 0):
+        return None
+    keys = []
+    for chunk in column.chunks:  # chat format (verl/DAPO): the messages' contents
+        contents = pc.struct_field(pc.list_flatten(chunk), "content")
+        if pc.all(pc.equal(pc.list_value_length(chunk), 1)).as_py():  # one message a row: the keys, no copy
+            keys.append(contents)
+        else:
+            offsets = pc.subtract(chunk.offsets, chunk.offsets[0])
+            keys.append(pc.binary_join(pa.ListArray.from_arrays(offsets, contents), "\n"))
+    return pa.chunked_array(keys, pa.string())
 
 
 def _dedupe_arrow(ds, source: str):
@@ -183,7 +190,8 @@ def _dedupe_arrow(ds, source: str):
     keys = _prompt_keys(ds.data.table)
     if keys is None:
         return ds
-    first = pa.table({"k": keys, "i": pa.array(range(len(keys)), pa.int64())}).group_by("k").aggregate([("i", "min")])
+    rows = pa.chunked_array([pa.array(range(len(keys)), pa.int64())])
+    first = pa.table({"k": keys, "i": rows}).group_by("k", use_threads=False).aggregate([("i", "min")])
     keep = sorted(first.column("i_min").to_pylist())
     if len(keep) < len(ds):
         print(f"[data] {source}: {len(ds) - len(keep)} repeated prompts dropped, {len(keep)} unique", flush=True)

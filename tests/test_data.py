@@ -53,7 +53,8 @@ def test_repeated_ids_are_refused(tmp_path):
         load_rows(str(path))
 
 
-def test_training_set_is_deduplicated_in_arrow_before_conversion(tmp_path, monkeypatch):
+@pytest.mark.parametrize("system", [False, True], ids=["user-only", "with-system"])
+def test_training_set_is_deduplicated_in_arrow_before_conversion(tmp_path, monkeypatch, system):
     """DAPO-17k's parquet (1.79M rows, verl chat format) must not become 1.79M Python rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -61,7 +62,9 @@ def test_training_set_is_deduplicated_in_arrow_before_conversion(tmp_path, monke
     import data.prepare as prepare
 
     n, unique = 3000, 30
-    prompts = [[{"role": "user", "content": f"{DAPO_PREFIX}What is {i % unique}+1?{DAPO_SUFFIX}"}] for i in range(n)]
+    sys_msg = [{"role": "system", "content": "Be brief."}] if system else []
+    prompts = [sys_msg + [{"role": "user", "content": f"{DAPO_PREFIX}What is {i % unique}+1?{DAPO_SUFFIX}"}]
+               for i in range(n)]
     table = pa.table({"data_source": ["math_dapo"] * n, "prompt": prompts,
                       "reward_model": [{"ground_truth": str(i % unique + 1), "style": "rule"} for i in range(n)],
                       "extra_info": [{"index": f"uuid-{i}"} for i in range(n)]})
