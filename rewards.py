@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -262,17 +263,25 @@ def run_sandboxed(program: str, stdin: str = "", timeout: float = CODE_TIMEOUT_S
         else:
             cmd, cwd = python, workdir
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        with tempfile.TemporaryFile() as stdin_file:  # a file, not a pipe: no deadlock on large inputs
-            stdin_file.write(stdin.encode())
-            stdin_file.seek(0)
-            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=stdin_file, stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        # A pipe (what is read cannot be re-read: the harness's nonce stays secret), fed from a
+        # thread so that a program which writes before it reads cannot deadlock us.
+        threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True).start()
         try:
             return _read_bounded(proc, time.monotonic() + timeout)
         finally:
             _kill_group(proc)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except OSError:  # the program exited (or was killed) without reading it all
+        pass
 
 
 def _read_bounded(proc: subprocess.Popen, deadline: float) -> tuple[int, str, bool]:
