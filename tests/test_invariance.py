@@ -24,7 +24,8 @@ def test_gradient_same_for_1_rank_full_batch_and_2_ranks_micro_1(agg, deltas):
     flat1 = torch.cat([one["delta"][k].flatten() for k in sorted(one["delta"])])
     flat2 = torch.cat([two["delta"][k].flatten() for k in sorted(two["delta"])])
     assert flat1.abs().max() > 1e-6  # the batch produced a real gradient
-    torch.testing.assert_close(flat2, flat1, rtol=1e-4, atol=1e-7)
+    # fp32 sums in another order: differences of an ulp or two of the largest entry, no more
+    torch.testing.assert_close(flat2, flat1, rtol=1e-4, atol=1e-5 * float(flat1.abs().max()))
 
 
 def test_the_rules_give_different_gradients(deltas):
