@@ -198,18 +198,15 @@ def token_logprobs(
     response_mask: torch.Tensor, temperature: float, chunk: int,
 ) -> torch.Tensor:
     """log pi(y_t | y_<t) for the response tokens (response_mask), flattened in row order."""
-    # The forward goes through the DeepSpeed engine (ZeRO-3 gradient accumulation is
-    # book-kept there) with logits_to_keep=[] so that the model skips its own lm_head; the
-    # backbone's final hidden states are caught on the way out.
-    model, caught = engine.module, []
-    hook = model.get_decoder().register_forward_hook(lambda m, i, out: caught.append(out.last_hidden_state))
-    try:
-        engine(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-               logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
-    finally:
-        hook.remove()
+    # The forward goes through the DeepSpeed engine, and the loss is built from its output: the
+    # final (normed) hidden states, hidden_states[-1], with logits_to_keep=[] so that the model
+    # skips its own lm_head. DeepSpeed hooks that output, so its backward prologue runs (ZeRO-3
+    # gradient-accumulation bookkeeping, the accumulation-boundary flag that offload reads).
+    out = engine(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
+                 logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
     predict = response_mask[:, 1:]  # position t predicts token t+1
-    return chunked_logprobs(model.lm_head, caught[0][:, :-1][predict], input_ids[:, 1:][predict], temperature, chunk)
+    hidden = out.hidden_states[-1][:, :-1][predict]
+    return chunked_logprobs(engine.module.lm_head, hidden, input_ids[:, 1:][predict], temperature, chunk)
 
 
 def chunked_logprobs(
@@ -300,11 +297,15 @@ def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
 
 
 def make_vllm(model_path: str, args, rank: int, local_rank: int):
+    from transformers import AutoConfig
     from vllm import LLM
 
     # Expected at every sync, not a failure: rotary embeddings have no weights, and a tied
-    # lm_head receives its weights through embed_tokens.
-    expected = {"RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights"}
+    # lm_head receives its weights through embed_tokens. An untied lm_head that fails to load
+    # is a real failure and stays visible.
+    expected = {"RotaryEmbedding: Failed to load weights"}
+    if getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False):
+        expected.add("ParallelLMHead: Failed to load weights")
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda record: record.getMessage() not in expected)
 
@@ -573,8 +574,13 @@ def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
 # -----------------------------------------------------------------------------
 
 
-def deepspeed_config(args, world: int) -> dict:
-    """The file's optimizer and ZeRO settings, with batch sizes, lr and precision from the flags."""
+def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
+    """The file's optimizer and ZeRO settings, with batch sizes, lr and precision from the flags.
+
+    bf16 (default: on CUDA): bf16 weights and activations, but the micro-batches' gradients are
+    reduced across ranks and accumulated in fp32 (DeepSpeed would otherwise do both in bf16,
+    rounding 16 micro-batches' sums to 8 bits of mantissa); the file may override either.
+    """
     try:
         cfg = json.loads(Path(args.ds_config).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -586,14 +592,22 @@ def deepspeed_config(args, world: int) -> dict:
     for k, v in sizes.items():  # batch sizes come from the flags; a config may only agree with them
         if k in cfg and cfg[k] not in (v, "auto"):
             raise ValueError(f"--ds-config sets {k}={cfg[k]} but the flags imply {v}; remove it from the config")
-    cfg.update(sizes, bf16={"enabled": torch.cuda.is_available()})
+    bf16 = torch.cuda.is_available() if bf16 is None else bf16
+    cfg.update(sizes, bf16={"enabled": bf16})
+    if bf16:
+        cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+        cfg.setdefault("communication_data_type", "fp32")
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
     optimizer.setdefault("params", {}).update(lr=args.lr, weight_decay=args.weight_decay)
-    if args.lr_warmup_steps > 0:  # linear warm-up, then constant
-        cfg.setdefault("scheduler", {"type": "WarmupLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "warmup_type": "linear",
-            "warmup_num_steps": args.lr_warmup_steps * args.minibatches}})
     return cfg
+
+
+def linear_warmup(num_updates: int):
+    """lr x min(1, k / num_updates) for the k-th optimizer update (k = 1, 2, ...): the first update
+    already moves the weights (DeepSpeed's WarmupLR gives it lr 0)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return lambda optimizer: LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / num_updates))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -661,7 +675,11 @@ def main(argv: list[str] | None = None) -> None:
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=policy, model_parameters=policy.parameters(), config=ds_config)
+    # warm-up over --lr-warmup-steps rollout steps, unless the DeepSpeed config brings its own schedule
+    warmup = args.lr_warmup_steps * args.minibatches
+    schedule = linear_warmup(warmup) if warmup > 0 and "scheduler" not in ds_config else None
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=policy.parameters(), config=ds_config,
+                                      lr_scheduler=schedule)
     ref_engine = None
     if args.kl_coef > 0:
         ref_cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
@@ -725,7 +743,9 @@ def main(argv: list[str] | None = None) -> None:
                   for j in range(len(rows))]
         outputs = generate(llm, rows, params)
         if cuda:
-            llm.sleep(level=1)  # hand the KV cache back to training
+            # Level 2 discards the weights instead of copying them to host memory (15 GB per rank
+            # at 7B, each step): the sync reloads them anyway. Hands the KV cache back to training.
+            llm.sleep(level=2)
             torch.cuda.empty_cache()
         timer["rollout"] = time.time() - t0
 
@@ -756,6 +776,7 @@ def main(argv: list[str] | None = None) -> None:
 
         # 5. update: mini-batches of whole groups; weights normalised per mini-batch
         t0 = time.time()
+        lr = engine.get_lr()[0]  # of this step's first update
         engine.train()
         per_mb = len(rollouts) // args.minibatches
         keys = ["pg_loss", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates"]
@@ -786,9 +807,11 @@ def main(argv: list[str] | None = None) -> None:
         # 6. weight sync
         t0 = time.time()
         if cuda:
+            torch.cuda.empty_cache()  # the update's cached blocks, so that vLLM can take its memory back
             llm.wake_up(tags=["weights"])
         sync_weights_to_vllm(engine, llm)
         if cuda:
+            torch.cuda.empty_cache()
             llm.wake_up(tags=["kv_cache"])
         timer["sync"] = time.time() - t0
 
@@ -810,7 +833,7 @@ def main(argv: list[str] | None = None) -> None:
             "loss/grad_norm": tot["grad_norm"] / world / max(1, tot["updates"]),
             "train/skipped_updates": tot["skipped_updates"],
             "train/no_signal": float(not signal_.item()),
-            "lr": engine.get_lr()[0],
+            "lr": lr,
             "length/mean": tot["length"] / tot["responses"],
             "length/max": max_len.item(),
             "length/cv": tot["length_cv"] / tot["groups"],

@@ -45,7 +45,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     results = {}
-    for agg in ("seq", "token", "balanced"):
+    # each rule, and each rule again with ZeRO-3's optimizer offloaded to the CPU (its step reads
+    # the accumulation-boundary flag that DeepSpeed's backward prologue sets)
+    for agg, offload in [(a, o) for o in (False, True) for a in ("seq", "token", "balanced")]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         rollouts, adv, lengths = fixed_batch(model.config.vocab_size)
         G = 4
@@ -57,9 +59,15 @@ def main() -> None:
             "train_batch_size": micro * gas * world, "zero_optimization": {"stage": 3},
             "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
         }
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            config["zero_force_ds_cpu_optimizer"] = False  # plain SGD, so the update is minus the gradient
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        prologues = []  # DeepSpeed's backward prologue must run on every micro-batch's backward
+        real_prologue = engine._backward_prologue
+        engine._backward_prologue = lambda: prologues.append(1) or real_prologue()
         args = argparse.Namespace(
             micro_batch_size=micro, pad_id=0, temperature=1.0, logprob_chunk=7,
             clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0,
@@ -72,7 +80,8 @@ def main() -> None:
         for name, p in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([p]):
                 delta[name] = (p.data - before[name]).clone()
-        results[agg] = {"delta": delta, "loss": loss.item()}
+        key = agg + ("-offload" if offload else "")
+        results[key] = {"delta": delta, "loss": loss.item(), "prologues": len(prologues), "micro_steps": gas}
     if rank == 0:
         torch.save(results, out)
 

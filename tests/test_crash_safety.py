@@ -15,7 +15,8 @@ from conftest import ROOT, cpu_env, deepspeed_run
 from safetensors.torch import load_file
 
 RUN = ["--steps", "5", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4", "--minibatches", "2",
-       "--micro-batch-size", "4", "--eval-limit", "4", "--eval-interval", "100", "--lr", "1e-3"]
+       "--micro-batch-size", "4", "--eval-limit", "4", "--eval-interval", "100", "--lr", "1e-3",
+       "--lr-warmup-steps", "4"]  # the schedule's position must survive a resume too
 
 
 def train(out, *extra, env=None, port=29630):

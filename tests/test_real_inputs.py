@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import BENCHMARKS, ROOT, deepspeed_run
 
 from data.prepare import load_rows
@@ -40,13 +41,15 @@ def test_train_on_real_length_prompts(long_demo_model, tmp_path):
                         "--eval-dataset", str(tmp_path / "mix.jsonl"), "--template", "dapo", "--agg", "balanced",
                         "--max-prompt-len", "2000", "--max-response-len", "16", "--steps", "2",
                         "--prompts-per-step", "16", "--group-size", "4", "--minibatches", "2",
-                        "--micro-batch-size", "4", "--lr", "1e-4", "--lr-warmup-steps", "0", "--eval-interval", "2",
+                        "--micro-batch-size", "4", "--lr", "1e-4", "--lr-warmup-steps", "2", "--eval-interval", "2",
                         "--eval-limit", "16", "--eval-samples", "2", "--save-interval", "100",
                         "--reward-workers", "2", "--output-dir", str(out), port=29640, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"[grpo] {len(rows)} training prompts (0 too long" in res.stdout
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
+    # warm-up over 2 steps x 2 mini-batches: the first update already steps with lr / 4
+    assert [m["lr"] for m in metrics[1:]] == pytest.approx([1e-4 / 4, 3e-4 / 4])
     for m in metrics[1:]:
         assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0 and m["length/mean"] > 0
     evals = [json.loads(x) for x in (out / "eval" / "step_000002.jsonl").read_text().splitlines()]
