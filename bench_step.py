@@ -14,7 +14,11 @@ On the same work, in one run:
             random Qwen2 models of a few sizes;
   reward    responses/second of compute_rewards on 4096 math responses;
   memory    peak memory of per-token log-probs + their gradient, chunked vs the naive full
-            logits path, at vocabulary 151,936, hidden 896, 2 x 2048 tokens (own processes).
+            logits path, at vocabulary 151,936, hidden 896, 2 x 2048 tokens (own processes);
+  gather    elements ZeRO-3 all-gathers for one micro-batch of chunked log-probs + backward
+            (1000 response tokens, a random Qwen2 whose lm_head is ~half its parameters),
+            with parameter release forced as when a model does not fit live (7B), per chunk
+            size, in multiples of the parameter count.
 Ratios are printed last; all numbers go to --out as JSON. This is a benchmark, not a test.
 """
 
@@ -35,7 +39,7 @@ import train_grpo as T
 
 ROOT = Path(__file__).resolve().parent
 _KEEP: list = []
-TARGETS = {"rollout": 1.05, "update": 1.15, "sync_share": 0.05, "memory": 0.25}
+TARGETS = {"rollout": 1.05, "update": 1.15, "sync_share": 0.05, "memory": 0.25, "gather_chunk64": 4.0}
 
 
 def parse_args() -> argparse.Namespace:
@@ -124,6 +128,58 @@ def logprob_memory(chunk: int) -> dict:
 
 
 # -----------------------------------------------------------------------------
+# ZeRO-3 all-gather volume of the log-prob path
+
+
+def gather_volume(chunks: list[int], world: int) -> dict:
+    import deepspeed
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    gathered = [0]
+
+    def counting(fn, out_arg):
+        def wrapped(*a, **kw):
+            out = a[0] if a else kw.get(out_arg if isinstance(out_arg, str) else "tensor_list")
+            gathered[0] += sum(t.numel() for t in out) if isinstance(out, list) else out.numel()
+            return fn(*a, **kw)
+        return wrapped
+
+    # ZeRO-3 gathers through deepspeed.comm (the package and its comm module hold separate names)
+    import deepspeed.comm.comm as ds_comm
+
+    patched = [(mod, name, getattr(mod, name)) for mod in (deepspeed.comm, ds_comm)
+               for name in ("all_gather_into_tensor", "all_gather")]
+    for mod, name, fn in patched:
+        setattr(mod, name, counting(fn, 0 if name == "all_gather" else "output_tensor"))
+    cfg = Qwen2Config(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
+    out = {}
+    try:
+        for chunk in chunks:
+            torch.manual_seed(0)
+            ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 4 * world,
+                  "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0,
+                                        "stage3_max_live_parameters": 1000, "stage3_prefetch_bucket_size": 0,
+                                        "stage3_param_persistence_threshold": 0},
+                  "zero_allow_untested_optimizer": True}
+            with deepspeed.zero.Init(config_dict_or_path=ds):
+                model = Qwen2ForCausalLM(cfg)
+            params = sum(p.ds_numel for p in model.parameters())
+            lm_head = model.lm_head.weight.ds_numel
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+            ids = torch.randint(0, cfg.vocab_size, (4, 260))
+            resp = torch.zeros_like(ids, dtype=torch.bool)
+            resp[:, 10:] = True  # 4 x 250 = 1000 response tokens
+            gathered[0] = 0
+            logp = T.token_logprobs(engine, ids, torch.ones_like(ids), resp, 1.0, chunk)
+            engine.backward(logp.sum(), scale_wrt_gas=False)
+            out[chunk] = {"gathered_x_params": gathered[0] / params, "lm_head_share": lm_head / params}
+            engine.optimizer.zero_grad()
+    finally:
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
+    return out
 
 
 def bare_update(engine, batch: list[dict], micro: int, pad_id: int, device) -> None:
@@ -265,6 +321,7 @@ def main() -> None:
     t_sync = best_of(args.repeats, lambda: T.sync_weights_to_vllm(engine, llm))
     step = t_trainer + t_reward + t_update + t_sync
     results["sync"] = {"sync_s": t_sync, "step_s": step, "share": t_sync / step}
+    results["gather"] = gather_volume([64, 256, 1024], world)
     results["sync_scaling"] = sync_scaling(args, [int(x) for x in args.sync_hidden.split(",") if x], rank,
                                            local_rank, world)
 
@@ -296,6 +353,10 @@ def main() -> None:
             print(f"| sync, {s['params_m']:.0f}M params | {s['sync_s']:.3f} s | | | |")
         if "reward" in r:
             print(f"| reward | {r['reward']['per_s']:.0f} responses/s ({r['reward']['workers']} workers) | | | |")
+        for chunk, g in r["gather"].items():
+            target = f"<= {TARGETS['gather_chunk64']}" if chunk == 64 else ""
+            print(f"| ZeRO-3 gather, chunk {chunk} | {g['gathered_x_params']:.2f} x params per micro-batch | | | "
+                  f"{target} (lm_head {g['lm_head_share']:.2f} of params, release forced) |")
         m = r["logprob_memory"]
         print(f"| log-prob memory | {m['chunked_peak_gib']:.2f} GiB | naive {m['naive_peak_gib']:.2f} GiB | "
               f"{m['ratio']:.3f} | <= {TARGETS['memory']} (max diff {m['max_abs_diff']:.1e}) |")

@@ -188,8 +188,8 @@ def policy_loss_per_token(
 # Per-token log-probs without a [tokens x vocab] float32 logits tensor
 
 
-def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = lm_head(hidden).float() / temperature
+def _chunk_logprobs(weight: torch.Tensor, bias, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 
@@ -215,21 +215,31 @@ def chunked_logprobs(
     """log softmax(lm_head(h) / T)[target] for [N, H] hidden states, `chunk` rows at a time.
 
     With gradients on, each chunk is recomputed in backward (checkpointed), so peak memory
-    holds one chunk's [chunk x vocab] float32 logits instead of all of them.
+    holds one chunk's [chunk x vocab] float32 logits instead of all of them. All chunks run
+    inside a single call of the lm_head module, so ZeRO-3 gathers its weight once for the
+    forward and once for the backward, however many chunks there are (and every rank makes
+    the same one call per micro-batch, whatever its token count).
     """
-    # ZeRO-3 all-gathers lm_head at every call (and again at every recompute in backward),
-    # so all ranks must make the same number of calls: agree on the chunk count.
-    n_chunks = torch.tensor([max(1, math.ceil(hidden.shape[0] / chunk))], device=hidden.device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(n_chunks, op=torch.distributed.ReduceOp.MAX)
-    out = []
-    for h_c, t_c in zip(hidden.tensor_split(int(n_chunks)), targets.tensor_split(int(n_chunks))):
-        if torch.is_grad_enabled():
-            out.append(torch.utils.checkpoint.checkpoint(
-                _chunk_logprobs, lm_head, h_c, t_c, temperature, use_reentrant=False))
+    def by_chunks(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out = []
+        for h_c, t_c in zip(h.split(chunk), t.split(chunk)):
+            args = (lm_head.weight, lm_head.bias, h_c, t_c, temperature)
+            if torch.is_grad_enabled():
+                out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            else:
+                out.append(_chunk_logprobs(*args))
+        return torch.cat(out) if out else hidden.new_zeros(0)
+
+    # the module's own hooks (ZeRO-3's gather and release) wrap this call; forward is swapped for it
+    own = lm_head.__dict__.get("forward")
+    lm_head.forward = by_chunks
+    try:
+        return lm_head(hidden, targets)
+    finally:
+        if own is None:
+            del lm_head.forward
         else:
-            out.append(_chunk_logprobs(lm_head, h_c, t_c, temperature))
-    return torch.cat(out)
+            lm_head.forward = own
 
 
 def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device) -> tuple[torch.Tensor, ...]:

@@ -87,3 +87,24 @@ def test_clip_higher_surrogate():
 def test_unknown_rule_is_rejected():
     with pytest.raises(ValueError, match="unknown aggregation"):
         aggregation_weights(F(1, -1), torch.tensor([1, 2]), 2, "median")
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_logprobs_equal_the_full_softmax(chunk):
+    from train_grpo import chunked_logprobs
+
+    g = torch.Generator().manual_seed(2)
+    head = torch.nn.Linear(8, 50, bias=False)
+    h = torch.randn(23, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (23,), generator=g)
+    got = chunked_logprobs(head, h, t, 0.7, chunk)
+    (got * torch.arange(23)).sum().backward()
+    grads = h.grad.clone(), head.weight.grad.clone()
+    h.grad, head.weight.grad = None, None
+    ref = torch.log_softmax(head(h) / 0.7, -1).gather(-1, t[:, None]).squeeze(-1)
+    (ref * torch.arange(23)).sum().backward()
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(grads[0], h.grad)
+    torch.testing.assert_close(grads[1], head.weight.grad)
+    assert "forward" not in head.__dict__ and head(h).shape == (23, 50)  # the module is itself again
+    assert chunked_logprobs(head, h[:0], t[:0], 1.0, chunk).shape == (0,)
