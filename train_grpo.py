@@ -813,6 +813,10 @@ def main(argv: list[str] | None = None) -> None:
                 sums[k] += v if not bad else 0.0
             sums["updates"] += (not bad) / world
         timer["update"] = time.time() - t0
+        if cuda:  # this rank's peak of the update (PyTorch's allocator), and the whole device in use
+            free, total = torch.cuda.mem_get_info()
+            gpu_memory = torch.tensor([torch.cuda.max_memory_allocated() / 2**30, (total - free) / 2**30])
+            torch.cuda.reset_peak_memory_stats()
 
         # 6. weight sync
         t0 = time.time()
@@ -856,6 +860,9 @@ def main(argv: list[str] | None = None) -> None:
         }
         if ref_engine is not None:
             metrics["loss/ref_kl"] = tot["ref_kl"] / max(1, tot["tokens"])
+        if cuda:
+            dist.all_reduce(gpu_memory, op=dist.ReduceOp.MAX)
+            metrics["memory/update_peak_gib"], metrics["memory/device_used_gib"] = gpu_memory.tolist()
 
         if eval_rows and (step % args.eval_interval == 0 or step == args.steps):
             metrics.update(evaluate(llm, eval_rows, args, rank, world, step, out_dir))
