@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=None,
+                   help="engines, each on its own --tensor-parallel-size GPUs, the problems sharded over them "
+                        "(default: every visible GPU; 1 on the CPU)")
+    p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)  # a data-parallel worker
     p.add_argument("--gpu-memory", type=float, default=0.9)
     p.add_argument("--reward-workers", type=int, default=4)
     p.add_argument("--chunk", type=int, default=256, help="problems generated and cached at a time")
@@ -60,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     if args.n < 1:
         p.error("--n must be at least 1")
+    if args.data_parallel_size is None:
+        import torch
+
+        args.data_parallel_size = max(1, torch.cuda.device_count() // args.tensor_parallel_size)
+    if args.data_parallel_size < 1:
+        p.error("--data-parallel-size must be at least 1")
     return args
 
 
@@ -119,8 +129,30 @@ def load_benchmarks(args) -> dict[str, list[dict]]:
     return out
 
 
-def evaluate_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict]], args) -> dict:
-    """Sample, score and cache every benchmark for one checkpoint; returns its results."""
+def cache_dir(ckpt: str, args) -> Path:
+    key, settings = settings_key(args)
+    cache = Path(ckpt) / "eval" / key if Path(ckpt).is_dir() else Path("eval") / ckpt.replace("/", "_") / key
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "settings.json").write_text(json.dumps(settings, indent=1))
+    return cache
+
+
+def cached_scores(cache: Path, name: str) -> dict[str, list[float]]:
+    """Scores by problem id from every samples file of a benchmark (one per data-parallel shard);
+    a line cut short by a kill is skipped, and redone."""
+    done = {}
+    for path in sorted(cache.glob(f"{name}.samples*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[rec["id"]] = rec["scores"]
+    return done
+
+
+def sample_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict]], args) -> None:
+    """Sample, score and cache the problems of this process's shard not cached yet."""
     from tqdm import tqdm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -128,28 +160,18 @@ def evaluate_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[di
     from data.templates import render_prompt
     from rewards import compute_rewards
 
-    key, settings = settings_key(args)
-    cache = Path(ckpt) / "eval" / key if Path(ckpt).is_dir() else Path("eval") / ckpt.replace("/", "_") / key
-    cache.mkdir(parents=True, exist_ok=True)
-    (cache / "settings.json").write_text(json.dumps(settings, indent=1))
-    results = {}
+    cache = cache_dir(ckpt, args)
+    shard, shards = args.shard or 0, args.data_parallel_size
     for name, rows in benchmarks.items():
-        samples_file = cache / f"{name}.samples.jsonl"
-        done = {}
-        if samples_file.exists():
-            kept = []
-            for line in samples_file.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by a kill: dropped, redone
-                    continue
-                done[rec["id"]] = rec["scores"]
-                kept.append(line)
-            samples_file.write_text("".join(x + "\n" for x in kept))
-        todo = [(i, r) for i, r in enumerate(rows) if r["id"] not in done]
-        bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=f"{Path(ckpt).name}:{name}", leave=False)
+        own = cache / (f"{name}.samples.jsonl" if shards == 1 else f"{name}.samples.{shard}of{shards}.jsonl")
+        if own.exists():  # drop a last line cut short by a kill
+            lines = own.read_text().splitlines()
+            own.write_text("".join(x + "\n" for x in lines if _is_json(x)))
+        # the seed of problem i is fixed by i alone: any sharding gives the same samples
+        todo = shard_todo(ckpt, {name: rows}, args)
+        bar = tqdm(total=len(todo), desc=f"{Path(ckpt).name}:{name}", leave=False, disable=args.shard is not None)
         max_len, skipped = llm.llm_engine.model_config.max_model_len, 0
-        with open(samples_file, "a") as f:
+        with open(own, "a") as f:
             for start in range(0, len(todo), args.chunk):
                 chunk = todo[start : start + args.chunk]
                 rendered = [render_prompt(r["prompt"], args.template, tokenizer, r["kind"]) for _, r in chunk]
@@ -158,8 +180,7 @@ def evaluate_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[di
                 too_long = [len(x) + args.max_tokens > max_len for x in ids]
                 for (_, r), skip in zip(chunk, too_long):
                     if skip:
-                        done[r["id"]] = [0.0] * args.n
-                        rec = {"id": r["id"], "scores": done[r["id"]], "skipped": "prompt too long"}
+                        rec = {"id": r["id"], "scores": [0.0] * args.n, "skipped": "prompt too long"}
                         f.write(json.dumps(rec) + "\n")
                 chunk = [c for c, skip in zip(chunk, too_long) if not skip]
                 prompts = [TokensPrompt(prompt_token_ids=x) for x, skip in zip(ids, too_long) if not skip]
@@ -173,21 +194,48 @@ def evaluate_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[di
                 flat = compute_rewards([t for ts in texts for t in ts], [x for x in refs for _ in range(args.n)],
                                        [r["kind"] for _, r in chunk for _ in range(args.n)], args.reward_workers)
                 for j, (_, r) in enumerate(chunk):
-                    scores = flat[j * args.n : (j + 1) * args.n]
-                    done[r["id"]] = scores
-                    f.write(json.dumps({"id": r["id"], "scores": scores, "responses": texts[j],
-                                        "reference": r.get("answer")}) + "\n")
+                    f.write(json.dumps({"id": r["id"], "scores": flat[j * args.n : (j + 1) * args.n],
+                                        "responses": texts[j], "reference": r.get("answer")}) + "\n")
                 f.flush()
                 bar.update(len(chunk) + sum(too_long))
         bar.close()
         if skipped:
             print(f"[eval] {name}: {skipped} prompts longer than the context minus --max-tokens scored 0", flush=True)
+
+
+def shard_todo(ckpt: str, benchmarks: dict[str, list[dict]], args) -> list[tuple[int, dict]]:
+    """(index, row) of the problems of this process's shard that have no cached samples yet."""
+    cache, shard, shards = cache_dir(ckpt, args), args.shard or 0, args.data_parallel_size
+    todo = []
+    for name, rows in benchmarks.items():
+        done = cached_scores(cache, name)
+        todo += [(i, r) for i, r in enumerate(rows) if i % shards == shard and r["id"] not in done]
+    return todo
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def checkpoint_results(ckpt: str, benchmarks: dict[str, list[dict]], args) -> dict:
+    """Metrics of one checkpoint from its cached samples (all shards); written to results.json."""
+    cache = cache_dir(ckpt, args)
+    results = {}
+    for name, rows in benchmarks.items():
+        done = cached_scores(cache, name)
+        missing = [r["id"] for r in rows if r["id"] not in done]
+        if missing:
+            raise RuntimeError(f"{ckpt}: {len(missing)} {name} problems have no samples (first: {missing[0]})")
         results[name] = benchmark_metrics([done[r["id"]] for r in rows], args.n)
     names = list(results)
     n = args.n
     results["average"] = {m: sum(results[b][m] for b in names) / len(names)
                           for m in ("acc@1", f"acc@{n}", "best@1", f"best@{n}")}
-    (cache / "results.json").write_text(json.dumps({"checkpoint": str(ckpt), "settings": settings,
+    (cache / "results.json").write_text(json.dumps({"checkpoint": str(ckpt), "settings": settings_key(args)[1],
                                                      "results": results}, indent=1))
     return results
 
@@ -305,6 +353,56 @@ def make_llm(model: str, args):
     return LLM(model=model, **kw)
 
 
+def sample_all(pending: list[tuple], benchmarks: dict[str, list[dict]], args) -> None:
+    """Sample every pending checkpoint with one engine, swapping the weights in place between them."""
+    from transformers import AutoTokenizer
+
+    from train_grpo import load_weights_into_vllm
+
+    llm = None
+    for _, _, ckpt in pending:
+        if not shard_todo(ckpt, benchmarks, args):
+            continue  # everything of this shard is cached (a resumed evaluation)
+        t0 = time.time()
+        if llm is None:
+            llm = make_llm(ckpt, args)
+        else:  # same architecture: swap the weights in place instead of a new engine
+            load_weights_into_vllm(llm, weights_path=ckpt)
+        sample_checkpoint(llm, AutoTokenizer.from_pretrained(ckpt), ckpt, benchmarks, args)
+        print(f"[eval] {ckpt}: sampled{'' if args.shard is None else f' (shard {args.shard})'} "
+              f"in {time.time() - t0:.0f}s", flush=True)
+
+
+def run_shards(args, argv: list[str] | None) -> None:
+    """One worker process (this script with --shard i) per engine, each on its own GPUs (or
+    cores); they cache their shard's samples, which the caller then merges."""
+    import subprocess
+
+    import torch
+
+    dp, tp = args.data_parallel_size, args.tensor_parallel_size
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))).split(",")
+    if torch.cuda.is_available() and len(gpus) < dp * tp:
+        sys.exit(f"evaluate.py: error: --data-parallel-size {dp} x --tensor-parallel-size {tp} needs {dp * tp} GPUs, "
+                 f"{len(gpus)} visible")
+    cores = os.cpu_count() or 1
+    procs = []
+    for i in range(dp):
+        env = dict(os.environ)
+        if torch.cuda.is_available():
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp : (i + 1) * tp])
+        elif cores >= dp:  # each CPU engine on its own cores
+            per = cores // dp
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{i * per}-{(i + 1) * per - 1}"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv),
+               "--shard", str(i)]
+        procs.append(subprocess.Popen(cmd, env=env))
+    failed = [i for i, p in enumerate(procs) if p.wait() != 0]
+    if failed:
+        sys.exit(f"evaluate.py: error: data-parallel worker(s) {failed} failed (see their output above); "
+                 "rerun the same command to resume from the cached samples")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
@@ -332,30 +430,29 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, RuntimeError, OSError) as e:
         sys.exit(f"evaluate.py: error: {str(e).splitlines()[0]}")
 
-    from transformers import AutoTokenizer
-
-    from train_grpo import load_weights_into_vllm
-
     key, _ = settings_key(args)
-    llm, tokenizer, per_run = None, None, {}
+    per_run, pending = {}, []
     for run, ckpts in jobs.items():
-        per_step = {}
+        per_run[run] = {}
         for step, ckpt in ckpts:
             cached = Path(ckpt) / "eval" / key / "results.json"
             if cached.exists() and set(json.loads(cached.read_text())["results"]) >= set(benchmarks):
-                per_step[step] = json.loads(cached.read_text())["results"]
-                print(f"[eval] {ckpt}: already evaluated ({cached})", flush=True)
-                continue
-            t0 = time.time()
-            if llm is None:
-                llm = make_llm(ckpt, args)
-            else:  # same architecture: swap the weights in place instead of a new engine
-                load_weights_into_vllm(llm, weights_path=ckpt)
-            tokenizer = AutoTokenizer.from_pretrained(ckpt)
-            per_step[step] = evaluate_checkpoint(llm, tokenizer, ckpt, benchmarks, args)
-            print(f"[eval] {ckpt} ({time.time() - t0:.0f}s)\n{format_table(per_step[step], args.n)}", flush=True)
-            print(f"[eval] results: {Path(ckpt) / 'eval' / key / 'results.json'}", flush=True)
-        per_run[run] = per_step
+                per_run[run][step] = json.loads(cached.read_text())["results"]
+                if args.shard is None:
+                    print(f"[eval] {ckpt}: already evaluated ({cached})", flush=True)
+            else:
+                pending.append((run, step, ckpt))
+
+    if args.shard is not None or args.data_parallel_size == 1:
+        sample_all(pending, benchmarks, args)  # this process's engine
+        if args.shard is not None:
+            return
+    elif pending:
+        run_shards(args, argv)
+    for run, step, ckpt in pending:
+        per_run[run][step] = checkpoint_results(ckpt, benchmarks, args)
+        print(f"[eval] {ckpt}\n{format_table(per_run[run][step], args.n)}", flush=True)
+        print(f"[eval] results: {Path(ckpt) / 'eval' / key / 'results.json'}", flush=True)
 
     if args.run:
         names = list(benchmarks)

@@ -141,3 +141,24 @@ def test_code_benchmark_without_bubblewrap_fails_in_one_line(demo_dir, tmp_path,
                          text=True, timeout=300, env={**os.environ, "PATH": path_without_bwrap})
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "evaluate.py: error: code rewards run model-written code and need bubblewrap" in res.stderr
+
+
+def test_data_parallel_shards_merge_to_the_one_process_result(demo_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        shutil.copytree(demo_dir / "model", d, ignore=NO_EVAL)
+    a = evaluate("--model", str(one), *COMMON, "--data-parallel-size", "1")
+    b = evaluate("--model", str(two), *COMMON, "--data-parallel-size", "2")  # two engines, one process each
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    cache_a, cache_b = next((one / "eval").iterdir()), next((two / "eval").iterdir())
+    assert cache_a.name == cache_b.name  # the cache does not depend on the sharding
+    merged = json.loads((cache_b / "results.json").read_text())["results"]
+    assert merged == json.loads((cache_a / "results.json").read_text())["results"]
+    shards = [{json.loads(x)["id"] for x in (cache_b / f"demo-test.samples.{i}of2.jsonl").read_text().splitlines()}
+              for i in (0, 1)]
+    assert len(shards[0]) == len(shards[1]) == 3 and not shards[0] & shards[1]
+    # resumed with another number of engines: everything is found in the shards' caches
+    (cache_b / "results.json").unlink()
+    c = evaluate("--model", str(two), *COMMON, "--data-parallel-size", "1")
+    assert c.returncode == 0 and "sampled" not in c.stdout
+    assert json.loads((cache_b / "results.json").read_text())["results"] == merged

@@ -48,8 +48,10 @@ def test_train_on_real_length_prompts(long_demo_model, tmp_path):
     assert f"[grpo] {len(rows)} training prompts (0 too long" in res.stdout
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    # warm-up over 2 steps x 2 mini-batches: the first update already steps with lr / 4
-    assert [m["lr"] for m in metrics[1:]] == pytest.approx([1e-4 / 4, 3e-4 / 4])
+    # warm-up over 2 steps x 2 mini-batches: the first update already steps with lr / 4, and the
+    # schedule moves with the updates made (none in a step whose groups all have equal rewards)
+    updates_before_2 = 0 if metrics[1]["train/no_signal"] else 2
+    assert [m["lr"] for m in metrics[1:]] == pytest.approx([1e-4 / 4, 1e-4 * (updates_before_2 + 1) / 4])
     for m in metrics[1:]:
         assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0 and m["length/mean"] > 0
     evals = [json.loads(x) for x in (out / "eval" / "step_000002.jsonl").read_text().splitlines()]
