@@ -15,6 +15,9 @@ On the same work, in one run:
   reward    responses/second of compute_rewards on 4096 math responses;
   memory    peak memory of per-token log-probs + their gradient, chunked vs the naive full
             logits path, at vocabulary 151,936, hidden 896, 2 x 2048 tokens (own processes);
+  peer      TRL's GRPOTrainer (HF generate, one process) on the same model, prompts, G, batch,
+            lengths and micro-batch size: its seconds per step next to ours (rollout + reward +
+            update + sync, warm); only where TRL is installed (pip install trl), not a dependency;
   gather    elements ZeRO-3 all-gathers for one micro-batch of chunked log-probs + backward
             (1000 response tokens, a random Qwen2 whose lm_head is ~half its parameters),
             with parameter release forced as when a model does not fit live (7B), per chunk
@@ -59,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="bench_step.json")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--memory-probe", choices=["chunked", "naive"], help=argparse.SUPPRESS)
+    p.add_argument("--peer-probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--peer-steps", type=int, default=6, help="TRL steps timed (the first warms up)")
+    p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--logprob-chunk", type=int, default=T.parse_args([]).logprob_chunk, help="the trainer's default")
     args = p.parse_args()
     # the trainer's flags that its functions read
@@ -125,6 +131,72 @@ def logprob_memory(chunk: int) -> dict:
     chunked, naive = out["chunked"]["peak_bytes"], out["naive"]["peak_bytes"]
     return {"chunked_peak_gib": chunked / 2**30, "naive_peak_gib": naive / 2**30, "ratio": chunked / naive,
             "max_abs_diff": diff}
+
+
+# -----------------------------------------------------------------------------
+# The peer users would pick: TRL's GRPOTrainer on the same work (optional: pip install trl)
+
+
+def peer_probe(args) -> None:
+    """TRL's GRPOTrainer (HF generate, one process): seconds per step on the bench's model, prompts,
+    G, batch, lengths, lr and micro-batch size; printed as JSON."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from data.prepare import load_rows
+    from data.templates import render_prompt
+    from rewards import math_reward
+
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    rows = load_rows(args.dataset)[: args.prompts_per_rank * args.world]
+    data = Dataset.from_list([{"prompt": render_prompt(r["prompt"], args.template, tok, r["kind"]),
+                               "answer": r["answer"]} for r in rows])
+    ends = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, *a, **kw):
+            ends.append(time.perf_counter())
+
+    completions = len(rows) * args.group_size
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), num_generations=args.group_size, max_completion_length=args.max_response_len,
+        per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=max(1, completions // args.micro_batch_size), temperature=1.0, top_p=1.0,
+        learning_rate=2e-4, beta=0.0, loss_type="dapo", max_steps=args.peer_steps, save_strategy="no",
+        report_to="none", logging_steps=10**6, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(), seed=0)
+    trainer = GRPOTrainer(model=args.model_path, args=cfg, train_dataset=data, processing_class=tok,
+                          reward_funcs=lambda completions, answer, **kw: [math_reward(c, a)
+                                                                          for c, a in zip(completions, answer)],
+                          callbacks=[StepTimes()])
+    start = time.perf_counter()
+    trainer.train()
+    steps = [b - a for a, b in zip([start, *ends[:-1]], ends)][1:]  # the first step warms up
+    print(json.dumps({"step_s": sorted(steps)[len(steps) // 2], "steps": len(steps)}))
+
+
+def peer_row(args, our_step_s: float) -> dict | None:
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return None
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
+                                                            "VLLM_CPU_OMP_THREADS_BIND")}
+    cmd = [sys.executable, __file__, "--peer-probe", "--model", args.model, "--dataset", args.dataset,
+           "--template", args.template, "--prompts-per-rank", str(args.prompts_per_rank), "--group-size",
+           str(args.group_size), "--micro-batch-size", str(args.micro_batch_size), "--max-response-len",
+           str(args.max_response_len), "--world", str(args.world), "--peer-steps", str(args.peer_steps)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"rc {res.returncode}"}
+    trl = json.loads(res.stdout.strip().splitlines()[-1])
+    import trl as trl_module
+
+    return {"trl_version": trl_module.__version__, "trl_step_s": trl["step_s"], "ours_step_s": our_step_s,
+            "speedup": trl["step_s"] / our_step_s}
 
 
 # -----------------------------------------------------------------------------
@@ -242,6 +314,11 @@ def main() -> None:
     args = parse_args()
     if args.memory_probe:
         return memory_probe(args.memory_probe, args.logprob_chunk)
+    if args.peer_probe:
+        from data.demo import ensure_demo
+
+        args.model_path = str(ensure_demo() / "model") if args.model == "demo" else args.model
+        return peer_probe(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # before vLLM starts: its NUMA memory binding is inherited by child processes and skews their RSS
     memory = logprob_memory(args.logprob_chunk) if os.environ.get("RANK", "0") == "0" else None
@@ -299,6 +376,8 @@ def main() -> None:
 
     # reward, then update on these rollouts
     rollouts = T.to_rollouts(rows, outputs)
+    n = args.reward_workers  # every worker up, math-verify imported: one-offs, not a step's cost
+    compute_rewards(["\\boxed{1/2}"] * n, ["0.5"] * n, ["math"] * n, n)
     t0 = time.perf_counter()
     scores = compute_rewards([r["text"] for r in rollouts], [T.reference(r["row"]) for r in rollouts],
                              [r["row"]["kind"] for r in rollouts], args.reward_workers)
@@ -324,6 +403,9 @@ def main() -> None:
     results["gather"] = gather_volume([64, 256, 1024], world)
     results["sync_scaling"] = sync_scaling(args, [int(x) for x in args.sync_hidden.split(",") if x], rank,
                                            local_rank, world)
+
+    args.world = world
+    results["peer"] = peer_row(args, step) if rank == 0 else None
 
     if rank == 0:
         from tests.reward_cases import cases  # real MATH-500 solutions, half scored against a wrong answer
@@ -353,6 +435,14 @@ def main() -> None:
             print(f"| sync, {s['params_m']:.0f}M params | {s['sync_s']:.3f} s | | | |")
         if "reward" in r:
             print(f"| reward | {r['reward']['per_s']:.0f} responses/s ({r['reward']['workers']} workers) | | | |")
+        if r["peer"] is None:
+            print("| peer: TRL GRPOTrainer | not installed (pip install trl) | | | |")
+        elif "error" in r["peer"]:
+            print(f"| peer: TRL GRPOTrainer | failed: {r['peer']['error']} | | | |")
+        else:
+            pr = r["peer"]
+            print(f"| step vs TRL {pr['trl_version']} GRPOTrainer | {pr['ours_step_s']:.3f} s | "
+                  f"TRL {pr['trl_step_s']:.3f} s | {pr['speedup']:.2f} x TRL's speed | >= 1.5 |")
         for chunk, g in r["gather"].items():
             target = f"<= {TARGETS['gather_chunk64']}" if chunk == 64 else ""
             print(f"| ZeRO-3 gather, chunk {chunk} | {g['gathered_x_params']:.2f} x params per micro-batch | | | "
