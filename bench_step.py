@@ -209,9 +209,9 @@ def gather_volume(chunks: list[int], world: int) -> dict:
 
     gathered = [0]
 
-    def counting(fn, out_arg):
+    def counting(fn, out_name: str):  # the output is the first argument of both gathers
         def wrapped(*a, **kw):
-            out = a[0] if a else kw.get(out_arg if isinstance(out_arg, str) else "tensor_list")
+            out = a[0] if a else kw[out_name]
             gathered[0] += sum(t.numel() for t in out) if isinstance(out, list) else out.numel()
             return fn(*a, **kw)
         return wrapped
@@ -219,10 +219,10 @@ def gather_volume(chunks: list[int], world: int) -> dict:
     # ZeRO-3 gathers through deepspeed.comm (the package and its comm module hold separate names)
     import deepspeed.comm.comm as ds_comm
 
-    patched = [(mod, name, getattr(mod, name)) for mod in (deepspeed.comm, ds_comm)
-               for name in ("all_gather_into_tensor", "all_gather")]
+    outputs = {"all_gather_into_tensor": "output_tensor", "all_gather": "tensor_list"}
+    patched = [(mod, name, getattr(mod, name)) for mod in (deepspeed.comm, ds_comm) for name in outputs]
     for mod, name, fn in patched:
-        setattr(mod, name, counting(fn, 0 if name == "all_gather" else "output_tensor"))
+        setattr(mod, name, counting(fn, outputs[name]))
     cfg = Qwen2Config(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
     out = {}

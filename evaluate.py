@@ -130,11 +130,9 @@ def load_benchmarks(args) -> dict[str, list[dict]]:
 
 
 def cache_dir(ckpt: str, args) -> Path:
-    key, settings = settings_key(args)
-    cache = Path(ckpt) / "eval" / key if Path(ckpt).is_dir() else Path("eval") / ckpt.replace("/", "_") / key
-    cache.mkdir(parents=True, exist_ok=True)
-    (cache / "settings.json").write_text(json.dumps(settings, indent=1))
-    return cache
+    """Where a checkpoint's samples and results for these settings are cached."""
+    key = settings_key(args)[0]
+    return Path(ckpt) / "eval" / key if Path(ckpt).is_dir() else Path("eval") / ckpt.replace("/", "_") / key
 
 
 def cached_scores(cache: Path, name: str) -> dict[str, list[float]]:
@@ -161,6 +159,8 @@ def sample_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict
     from rewards import compute_rewards
 
     cache = cache_dir(ckpt, args)
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "settings.json").write_text(json.dumps(settings_key(args)[1], indent=1))
     shard, shards = args.shard or 0, args.data_parallel_size
     for name, rows in benchmarks.items():
         own = cache / (f"{name}.samples.jsonl" if shards == 1 else f"{name}.samples.{shard}of{shards}.jsonl")
@@ -430,12 +430,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, RuntimeError, OSError) as e:
         sys.exit(f"evaluate.py: error: {str(e).splitlines()[0]}")
 
-    key, _ = settings_key(args)
     per_run, pending = {}, []
     for run, ckpts in jobs.items():
         per_run[run] = {}
         for step, ckpt in ckpts:
-            cached = Path(ckpt) / "eval" / key / "results.json"
+            cached = cache_dir(ckpt, args) / "results.json"
             if cached.exists() and set(json.loads(cached.read_text())["results"]) >= set(benchmarks):
                 per_run[run][step] = json.loads(cached.read_text())["results"]
                 if args.shard is None:
@@ -452,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     for run, step, ckpt in pending:
         per_run[run][step] = checkpoint_results(ckpt, benchmarks, args)
         print(f"[eval] {ckpt}\n{format_table(per_run[run][step], args.n)}", flush=True)
-        print(f"[eval] results: {Path(ckpt) / 'eval' / key / 'results.json'}", flush=True)
+        print(f"[eval] results: {cache_dir(ckpt, args) / 'results.json'}", flush=True)
 
     if args.run:
         names = list(benchmarks)

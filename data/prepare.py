@@ -274,22 +274,18 @@ def load_rows(spec: str, data_dir: str | None = None, train: bool | None = None)
         from data.demo import ensure_demo
 
         spec = str(ensure_demo() / ("train.jsonl" if spec == "demo" else "test.jsonl"))
-    if spec in HF_NAMES:  # a hub id this table knows: its own config and split
-        name = HF_NAMES[spec]
+    from_hub = spec in HF_NAMES  # a hub id this table knows: loaded with its entry's config and split
+    name = HF_NAMES.get(spec, spec)
+    if name in DATASETS:
         entry = DATASETS[name]
         dedup = entry.get("train", False) if train is None else train
-        return _task_range(rows_from(_read_hub(*entry["hf"]), name, dedup), entry)
-    if spec in DATASETS:
-        entry = DATASETS[spec]
-        dedup = entry.get("train", False) if train is None else train
         local = [Path(data_dir) / entry["file"]] if data_dir else []
-        local.append(PREPARED_DIR / f"{spec}.jsonl")
-        for path in local:
-            if path.exists():
-                return _task_range(rows_from(_read_file(str(path)), spec, dedup), entry)
-        if entry["hf"] is None:
-            raise ValueError(f"{spec}: no local copy found ({', '.join(map(str, local))}); prepare it with --from")
-        return _task_range(rows_from(_read_hub(*entry["hf"]), spec, dedup), entry)
+        local.append(PREPARED_DIR / f"{name}.jsonl")
+        path = None if from_hub else next((p for p in local if p.exists()), None)
+        if path is None and entry["hf"] is None:
+            raise ValueError(f"{name}: no local copy found ({', '.join(map(str, local))}); prepare it with --from")
+        raw = _read_file(str(path)) if path else _read_hub(*entry["hf"])
+        return _task_range(rows_from(raw, name, dedup), entry)
     if os.path.exists(spec):
         return rows_from(_read_file(spec), Path(spec).stem, bool(train))
     if spec.count("/") == 1 and not spec.startswith((".", "/")):  # another hub dataset: its train split
