@@ -43,6 +43,7 @@ def test_train_on_real_length_prompts(long_demo_model, tmp_path):
                         "--prompts-per-step", "16", "--group-size", "4", "--minibatches", "2",
                         "--micro-batch-size", "4", "--lr", "1e-4", "--lr-warmup-steps", "2", "--eval-interval", "2",
                         "--eval-limit", "16", "--eval-samples", "2", "--save-interval", "100",
+                        "--kl-coef", "0.01",  # a KL term: the update runs even where no group has reward variance
                         "--reward-workers", "2", "--output-dir", str(out), port=29640, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"[grpo] {len(rows)} training prompts (0 too long" in res.stdout
@@ -52,7 +53,8 @@ def test_train_on_real_length_prompts(long_demo_model, tmp_path):
     # schedule moves with the updates made (none in a step whose groups all have equal rewards)
     updates_before_2 = 0 if metrics[1]["train/no_signal"] else 2
     assert [m["lr"] for m in metrics[1:]] == pytest.approx([1e-4 / 4, 1e-4 * (updates_before_2 + 1) / 4])
-    for m in metrics[1:]:
+    for m in metrics[1:]:  # backward and step through real-length sequences, each step, with the KL reference
+        assert m["train/no_signal"] == 0 and m["loss/grad_norm"] > 0 and m["loss/ref_kl"] >= 0
         assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0 and m["length/mean"] > 0
     evals = [json.loads(x) for x in (out / "eval" / "step_000002.jsonl").read_text().splitlines()]
     assert {e["id"] for e in evals} >= {r["id"] for r in rows[:16]} - {None}
