@@ -317,7 +317,7 @@ def main() -> None:
     if args.peer_probe:
         from data.demo import ensure_demo
 
-        args.model_path = str(ensure_demo() / "model") if args.model == "demo" else args.model
+        args.model_path = str(ensure_demo(args.model) / "model") if args.model in T.OFFLINE_DEFAULTS else args.model
         return peer_probe(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # before vLLM starts: its NUMA memory binding is inherited by child processes and skews their RSS
@@ -341,10 +341,10 @@ def main() -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     args.model_path = args.model
-    if args.model == "demo":
+    if args.model in T.OFFLINE_DEFAULTS:
         from data.demo import ensure_demo
 
-        args.model_path = str(ensure_demo() / "model")
+        args.model_path = str(ensure_demo(args.model) / "model")
     tok = AutoTokenizer.from_pretrained(args.model_path)
     args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     args.prompts_per_step = args.prompts_per_rank * world

@@ -1,22 +1,39 @@
-"""The offline demo: a tiny Qwen2 policy and an arithmetic task, built from nothing.
+"""The offline tasks: tiny Qwen2 policies and an arithmetic task, with no model hub.
 
-No model hub is needed. `ensure_demo()` builds (once, then cached) a directory with
-  model/       a Hugging Face Qwen2 checkpoint + tokenizer that transformers, vLLM and
-               DeepSpeed load like any other model,
-  train.jsonl  RL prompts in the prepared format (id, source, kind, prompt, answer),
-  test.jsonl   held-out prompts (operand pairs never seen in RL training).
+Every policy answers "What is a+b?" (two operands of 0..49) with a final `\\boxed{}`, scored by
+rewards.py's math reward like any real task. They differ in how they answer:
+
+  demo        " \\boxed{c}": the answer alone, 7 tokens. Quick start (command 1) and most tests.
+  lab         " so \\boxed{c} so so" or " wait \\boxed{a} wait wait wait ...": k ramble tokens, " so"
+              with a right answer, " wait" with a wrong one (the first operand), and failures
+              ramble longer (k ~ U{1..10} when right, U{6..30} when wrong), as long chain-of-
+              thought models do when they fail. Response lengths vary within a group (5 to ~35
+              tokens) and are coupled to the sign of the advantage: the regime where seq-, token-
+              and balanced-agg differ (the aggregation lab, README "Aggregation bias on a laptop").
+  lab-nogap   the control: " wait wait ... \\boxed{c}", the same length distribution drawn
+              independently of correctness, one ramble word before the answer, and the demo's
+              off-by-one failures.
 
 The warm-up is deliberately imperfect: supervised targets are the right sum only with
-probability `P_CORRECT`, otherwise off by one. The model therefore learns to add but
-samples the right answer only ~P_CORRECT of the time, which is exactly the situation
-GRPO fixes: sampled accuracy on held-out problems rises from ~0.3 towards 1 in a few
-dozen steps. Everything is seeded, so the build is deterministic on a given machine.
+probability `P_CORRECT`, otherwise wrong (off by one in the demo, the first operand in the lab).
+The policy therefore learns to add but samples the right answer only ~P_CORRECT of the time,
+which is exactly the situation GRPO fixes.
 
-    python -m data.demo            # build (or show) the cached demo
+The warm-up takes minutes on a CPU, so the built weights (bf16) ship with the project in
+data/offline/NAME/: every machine starts from the same policy, and command 1 starts training
+within seconds. `ensure_demo(NAME)` copies them, with the task's prompts, into the cache:
+  model/       a Hugging Face Qwen2 checkpoint + tokenizer (transformers, vLLM, DeepSpeed load it),
+  train.jsonl  RL prompts in the prepared format (id, source, kind, prompt, answer),
+  test.jsonl   200 held-out prompts (operand pairs never seen in RL training).
+
+    python -m data.demo [NAME]            # the cached task directory
+    python -m data.demo NAME --build      # rebuild NAME's weights from nothing into data/offline/NAME
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import random
@@ -29,16 +46,14 @@ import torch
 
 from data.templates import render_prompt
 
-VERSION = 1  # bump when anything below changes the built artefacts
-ROOT = Path(os.environ.get("GRPO_DEMO_DIR", Path(__file__).resolve().parent.parent / ".cache" / "demo"))
+TASKS = ("demo", "lab", "lab-nogap")
+SHIPPED = Path(__file__).resolve().parent / "offline"
+ROOT = Path(os.environ.get("GRPO_DEMO_DIR", Path(__file__).resolve().parent.parent / ".cache" / "offline"))
 MAX_OPERAND = 49
 P_CORRECT = 0.3
-SFT_STEPS, SFT_BATCH, SFT_LR = 1500, 128, 2e-3
+RAMBLE_SHORT, RAMBLE_LONG = (1, 10), (6, 30)  # k ramble tokens before the answer (lab)
+SFT_STEPS, SFT_BATCH, SFT_LR = {"demo": 1500, "lab": 400, "lab-nogap": 1500}, 128, 2e-3
 SEED = 1234
-
-
-def demo_dir() -> Path:
-    return ROOT / f"v{VERSION}"
 
 
 def problem(a: int, b: int) -> dict:
@@ -58,12 +73,27 @@ def split_pairs(seed: int = SEED) -> tuple[list[tuple[int, int]], list[tuple[int
     return pairs[200:], pairs[:200]
 
 
-def sft_example(a: int, b: int, rng: random.Random) -> tuple[str, str]:
-    """(prompt text, target response) with the noisy warm-up label."""
-    c = a + b
-    if rng.random() >= P_CORRECT:
-        c += rng.choice((-1, 1))
-    return render_prompt(f"What is {a}+{b}?", "plain"), f" \\boxed{{{c}}}"
+def sft_response(task: str, a: int, b: int, rng: random.Random) -> str:
+    """A warm-up target: right with probability P_CORRECT, else wrong. The lab policies ramble
+    k tokens, " so" with a right answer and " wait" with a wrong one (the first token commits, as
+    in long chain-of-thought), for a length that depends on correctness (lab: short when right,
+    long when wrong) or not (lab-nogap)."""
+    right = rng.random() < P_CORRECT
+    if task == "demo":
+        return f" \\boxed{{{a + b if right else a + b + rng.choice((-1, 1))}}}"
+    short = right if task == "lab" else rng.random() < P_CORRECT  # nogap: same lengths, independent draw
+    k = rng.randint(*(RAMBLE_SHORT if short else RAMBLE_LONG))
+    if task == "lab-nogap":
+        # One word, the ramble before the answer (its length is sampled before the answer is), the
+        # demo's off-by-one failures: nothing ties the length to the reward. (With the ramble after
+        # the answer, a 2-layer model rambles longer after a sampled wrong digit: a gap of ~10%.)
+        return " wait" * k + f" \\boxed{{{a + b if right else a + b + rng.choice((-1, 1))}}}"
+    # The first word commits, the answer follows at a fixed position (a 2-layer model cannot carry a
+    # sum across a ramble of variable length), the rest of the ramble comes after it. A failure
+    # answers the first operand: a wrong answer that a 2-layer model can learn to tie to its first
+    # word (an off-by-one sum it learns only unconditionally).
+    word = " so" if right else " wait"
+    return word + f" \\boxed{{{a + b if right else a}}}" + word * (k - 1)
 
 
 def train_tokenizer(corpus: list[str]):
@@ -86,8 +116,12 @@ def train_tokenizer(corpus: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def build(out: Path) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build(task: str, out: Path) -> None:
+    """Warm up `task`'s policy and save it (bf16) to out/. The demo and lab-nogap are trained from
+    nothing (their tokenizers too); the lab starts from the demo (data/offline/demo), which
+    already adds, with its two ramble words added to the vocabulary as single tokens."""
+    from tokenizers import AddedToken
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     t0 = time.time()
     torch.manual_seed(SEED)
@@ -96,26 +130,36 @@ def build(out: Path) -> None:
     # The warm-up sees every pair (it teaches the format and addition); RL trains on
     # train_pairs and accuracy is measured on the held-out test_pairs.
     all_pairs = train_pairs + test_pairs
-    corpus = [p + r for p, r in (sft_example(a, b, rng) for a, b in all_pairs[:500])]
-    corpus += ["Answer: \\boxed{} \\frac{1}{2} Question: What is the value of x?"]
-    tokenizer = train_tokenizer(corpus)
-
-    config = Qwen2Config(
-        vocab_size=384, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=SFT_LR, total_steps=SFT_STEPS, pct_start=0.05)
+    prompt = {ab: render_prompt(f"What is {ab[0]}+{ab[1]}?", "plain") for ab in all_pairs}
+    if task != "lab":
+        corpus = [prompt[ab] + sft_response(task, *ab, rng) for ab in all_pairs[:500]]
+        corpus += ["Answer: \\boxed{} \\frac{1}{2} Question: What is the value of x?"]
+        tokenizer = train_tokenizer(corpus)
+        model = Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=384, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+            tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(SHIPPED / "demo")
+        tokenizer.add_tokens([AddedToken(w, normalized=False) for w in (" so", " wait")])  # unused embedding rows
+        model = AutoModelForCausalLM.from_pretrained(SHIPPED / "demo", dtype=torch.float32)
     eos = tokenizer.eos_token_id
-    for step in range(SFT_STEPS):
-        batch = [sft_example(*rng.choice(all_pairs), rng) for _ in range(SFT_BATCH)]
+    prompt_ids = {ab: tokenizer(p)["input_ids"] for ab, p in prompt.items()}
+    response_ids = {}  # memoised: the same few thousand response strings recur
+
+    steps = SFT_STEPS[task]
+    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=SFT_LR, total_steps=steps, pct_start=0.05)
+    for step in range(steps):
         ids, labels = [], []
-        for prompt, response in batch:
-            p = tokenizer(prompt)["input_ids"]
-            r = tokenizer(response)["input_ids"] + [eos]
+        for _ in range(SFT_BATCH):
+            ab = rng.choice(all_pairs)
+            text = sft_response(task, *ab, rng)
+            if text not in response_ids:
+                response_ids[text] = tokenizer(text)["input_ids"] + [eos]
+            p, r = prompt_ids[ab], response_ids[text]
             ids.append(p + r)
             labels.append([-100] * len(p) + r)  # loss on the response only
         width = max(map(len, ids))
@@ -128,32 +172,40 @@ def build(out: Path) -> None:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 250 == 0 or step == SFT_STEPS - 1:
-            print(f"[demo] warm-up step {step:4d}  loss {loss.item():.3f}", flush=True)
+        if step % 100 == 0 or step == steps - 1:
+            print(f"[{task}] warm-up step {step:4d}  loss {loss.item():.3f}", flush=True)
 
-    (out / "model").mkdir(parents=True)
-    model.save_pretrained(out / "model")
-    tokenizer.save_pretrained(out / "model")
-    for name, pairs in (("train", train_pairs), ("test", test_pairs)):
-        with open(out / f"{name}.jsonl", "w") as f:
-            for a, b in pairs:
-                f.write(json.dumps(problem(a, b)) + "\n")
-    print(f"[demo] built {out} in {time.time() - t0:.0f}s", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"[{task}] built {out} in {time.time() - t0:.0f}s", flush=True)
 
 
-def ensure_demo() -> Path:
-    """Return the demo directory, building it first if it is not cached yet.
+def _digest(path: Path) -> str:
+    return hashlib.sha1(path.read_bytes()).hexdigest()[:12]
 
-    Safe to call from several processes: each builds into a private temporary directory
-    and the first finished one is renamed into place atomically.
+
+def ensure_demo(task: str = "demo") -> Path:
+    """The cached directory of an offline task: model/ (the shipped weights), train.jsonl, test.jsonl.
+
+    Refreshed when the shipped weights change. Safe to call from several processes: each
+    writes a private temporary directory and renames it into place atomically.
     """
-    final = demo_dir()
+    if task not in TASKS:
+        raise ValueError(f"unknown offline task {task!r} (choose from {', '.join(TASKS)})")
+    shipped = SHIPPED / task
+    if not (shipped / "model.safetensors").exists():
+        raise FileNotFoundError(f"{shipped}: no shipped weights; build them with `python -m data.demo {task} --build`")
+    final = ROOT / f"{task}-{_digest(shipped / 'model.safetensors')}"
     if (final / "model" / "config.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".copy-", dir=final.parent))
     try:
-        build(tmp)
+        shutil.copytree(shipped, tmp / "model")
+        train_pairs, test_pairs = split_pairs()
+        for name, pairs in (("train", train_pairs), ("test", test_pairs)):
+            (tmp / f"{name}.jsonl").write_text("".join(json.dumps(problem(a, b)) + "\n" for a, b in pairs))
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first
@@ -164,4 +216,12 @@ def ensure_demo() -> Path:
 
 
 if __name__ == "__main__":
-    print(ensure_demo())
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", nargs="?", default="demo", choices=TASKS)
+    p.add_argument("--build", action="store_true", help="retrain the policy from nothing into data/offline/TASK")
+    p.add_argument("--out", default=None, help="with --build: write here instead of data/offline/TASK")
+    a = p.parse_args()
+    if a.build:
+        build(a.task, Path(a.out) if a.out else SHIPPED / a.task)
+    else:
+        print(ensure_demo(a.task))
