@@ -18,6 +18,8 @@ One step, top to bottom:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import math
@@ -29,15 +31,22 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-import torch.utils.checkpoint
-
 # Engines run in this process (colocated), as RL trainers use them; must precede `import vllm`.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("DS_ACCELERATOR") == "cpu":
+    # vLLM's CPU build warns about every missing GPU-side optimisation (Triton, tcmalloc, NUMA
+    # binding): only errors, on the CPU; on GPUs its warnings are worth reading.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read when torch is imported
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)  # logs before vLLM's logging is set up
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op. is deprecated")
+
+import torch  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -53,12 +62,16 @@ DEMO_DEFAULTS = dict(
     max_prompt_len=32, max_response_len=12, steps=40, eval_interval=10, save_interval=20,
     eval_samples=4, eval_limit=200, output_dir="runs/demo",
 )
+# The aggregation lab (data/demo.py): the same task, with responses of 2-40 tokens whose failures
+# ramble longer; output in runs/lab-AGG (or runs/lab-nogap-AGG), a checkpoint every 10 steps.
+LAB_DEFAULTS = {**DEMO_DEFAULTS, "max_response_len": 48, "save_interval": 10, "output_dir": None}
+OFFLINE_DEFAULTS = {"demo": DEMO_DEFAULTS, "lab": LAB_DEFAULTS, "lab-nogap": LAB_DEFAULTS}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", default="demo", help="HF model id or local dir; 'demo' builds the tiny offline model")
+    a("--model", default="demo", help="HF model id or local dir; 'demo', 'lab', 'lab-nogap': the offline policies")
     a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="prepared .jsonl/.parquet, HF name, or 'demo'")
     a("--eval-dataset", default=None, help="held-out prompts scored every --eval-interval steps")
     a("--template", default="dapo", choices=["plain", "chat", "boxed", "dapo"])
@@ -96,8 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--reward-workers", type=int, default=4)
     a("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     pre, _ = p.parse_known_args(argv)
-    if pre.model == "demo":
-        p.set_defaults(**DEMO_DEFAULTS)
+    if pre.model in OFFLINE_DEFAULTS:
+        p.set_defaults(**OFFLINE_DEFAULTS[pre.model])
     args = p.parse_args(argv)
     if args.output_dir is None:
         args.output_dir = f"runs/{Path(args.model).name}-{args.agg}"
@@ -119,7 +132,7 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         )
     if min(args.micro_batch_size, args.steps, args.max_response_len, args.logprob_chunk) < 1:
         raise ValueError("--micro-batch-size, --steps, --max-response-len and --logprob-chunk must be >= 1")
-    if args.model != "demo" and not os.path.isdir(args.model) and (
+    if args.model not in OFFLINE_DEFAULTS and not os.path.isdir(args.model) and (
         args.model.startswith((".", "/", "~")) or args.model.count("/") != 1
     ):
         raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir or a hub id)")
@@ -324,7 +337,8 @@ def make_vllm(model_path: str, args, rank: int, local_rank: int):
         kw = dict(gpu_memory_utilization=args.vllm_gpu_memory, enable_sleep_mode=True, dtype="bfloat16")
     else:
         kw = vllm_cpu_kwargs(max_len)
-    return LLM(model=model_path, max_model_len=max_len, seed=args.seed + rank, tensor_parallel_size=1, **kw)
+    return LLM(model=model_path, max_model_len=max_len, seed=args.seed + rank, tensor_parallel_size=1,
+               use_tqdm_on_load=False, **kw)
 
 
 def vllm_cpu_kwargs(max_model_len: int) -> dict:
@@ -609,6 +623,10 @@ def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
         cfg.setdefault("communication_data_type", "fp32")
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
     optimizer.setdefault("params", {}).update(lr=args.lr, weight_decay=args.weight_decay)
+    if not torch.cuda.is_available() and optimizer.get("type", "").lower() in ("adam", "adamw"):
+        # torch.optim.AdamW: DeepSpeed's FusedAdam is JIT-compiled on first use, 2.5 minutes on a
+        # 2-core CPU, for no gain at this size. On CUDA FusedAdam stays (set torch_adam to change it).
+        optimizer["params"].setdefault("torch_adam", True)
     return cfg
 
 
@@ -635,6 +653,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import deepspeed
     import torch.distributed as dist
+    import transformers
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -650,7 +669,10 @@ def main(argv: list[str] | None = None) -> None:
     else:  # give each rank's vLLM engine its own cores
         per = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{local_rank * per}-{local_rank * per + per - 1}")
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
+    with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     random.seed(args.seed + rank)
@@ -658,13 +680,13 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         model_path = args.model
-        if model_path == "demo":
+        if model_path in OFFLINE_DEFAULTS:
             from data.demo import ensure_demo
 
             if rank == 0:
-                ensure_demo()
+                ensure_demo(model_path)
             dist.barrier()
-            model_path = str(ensure_demo() / "model")
+            model_path = str(ensure_demo(model_path) / "model")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
         if context and args.max_prompt_len + args.max_response_len > context:
@@ -883,6 +905,7 @@ def main(argv: list[str] | None = None) -> None:
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
         if final:
             print("[grpo] done: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()), flush=True)
+        print(f"[grpo] run in {out_dir}/: metrics.jsonl, tb/ (TensorBoard), checkpoints/", flush=True)
         writer.close()
     dist.barrier()
 
