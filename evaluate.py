@@ -38,7 +38,7 @@ PAPER_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", help="a Hugging Face checkpoint directory (or hub id)")
+    what.add_argument("--model", help="a Hugging Face checkpoint directory, hub id, or offline policy ('lab')")
     what.add_argument("--run", nargs="+", help="training run directories (with checkpoints/step_*)")
     p.add_argument("--benchmarks", default=PAPER_BENCHMARKS, help="comma-separated names or prepared files")
     p.add_argument("--data-dir", default=None, help="directory with local copies of the benchmark files")
@@ -251,84 +251,185 @@ def format_table(results: dict, n: int) -> str:
 
 
 # -----------------------------------------------------------------------------
-# Runs: every checkpoint, peak vs last
+# Runs: every checkpoint from the initial policy on, peak vs last, mean ± std over seeds
+
+
+def run_args(run: str) -> dict:
+    path = Path(run) / "args.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def resolve_model(model: str) -> str:
+    """A checkpoint directory or hub id; the offline policies ('demo', 'lab', ...) by name."""
+    from data.demo import TASKS, ensure_demo
+
+    return str(ensure_demo(model) / "model") if model in TASKS else model
 
 
 def run_checkpoints(run: str) -> list[tuple[int, str]]:
+    """(step, checkpoint) of a run: step 0 is the initial policy (the run's --model), then step_N."""
     ckpts = sorted(Path(run, "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     ckpts = [p for p in ckpts if not p.name.endswith(".tmp")]
     if not ckpts:
         raise ValueError(f"{run}: no checkpoints (expected {run}/checkpoints/step_N)")
-    return [(int(p.name.split("_")[1]), str(p)) for p in ckpts]
+    initial = run_args(run).get("model")
+    return ([(0, resolve_model(initial))] if initial else []) + [(int(p.name.split("_")[1]), str(p)) for p in ckpts]
 
 
 def run_label(run: str) -> str:
-    args_file = Path(run) / "args.json"
-    agg = json.loads(args_file.read_text()).get("agg") if args_file.exists() else None
+    agg = run_args(run).get("agg")
     return f"{Path(run).name} ({agg})" if agg and agg not in Path(run).name else Path(run).name
 
 
+# arguments that do not make two runs different settings: seeds of one setting are averaged
+SEED_ARGS = {"seed", "output_dir", "resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval",
+             "save_interval", "keep_last", "max_bad_steps"}
+
+
+def group_runs(runs: list[str]) -> dict[str, list[str]]:
+    """Runs of one setting (the same arguments but the seed) under one label: the arguments that
+    differ between the settings ('token', 'lab-nogap balanced'), or each run alone by its name."""
+    def setting(run: str) -> str:
+        a = run_args(run)
+        return json.dumps({k: v for k, v in a.items() if k not in SEED_ARGS}, sort_keys=True) if a else run
+
+    groups: dict[str, list[str]] = {}
+    for run in runs:
+        groups.setdefault(setting(run), []).append(run)
+    if all(len(g) == 1 for g in groups.values()):
+        return {run_label(g[0]): g for g in groups.values()}
+    firsts = [run_args(g[0]) for g in groups.values()]
+    keys = sorted({k for a in firsts for k in a} - SEED_ARGS)
+    differ = [k for k in keys if len({json.dumps(a.get(k)) for a in firsts}) > 1]
+    differ = sorted(differ, key=lambda k: k != "model")  # e.g. 'lab-nogap token'
+    labels = {}
+    for g in groups.values():
+        a = run_args(g[0])
+        label = " ".join(str(a.get(k)) for k in differ) or a.get("agg") or Path(g[0]).name
+        labels[label if label not in labels else f"{label} ({Path(g[0]).name})"] = g
+    return labels
+
+
 def peak_and_last(per_step: dict[int, dict], n: int) -> dict[str, tuple[int, dict]]:
-    peak = max(per_step, key=lambda s: (per_step[s]["average"][f"acc@{n}"], s))
+    """The run's best checkpoint by average Acc@n (over trained checkpoints, step > 0) and its last."""
+    trained = [s for s in per_step if s > 0] or list(per_step)
+    peak = max(trained, key=lambda s: (per_step[s]["average"][f"acc@{n}"], s))
     return {"peak": (peak, per_step[peak]), "last": (max(per_step), per_step[max(per_step)])}
 
 
-def runs_table(table: dict[str, dict[str, tuple[int, dict]]], names: list[str], n: int) -> str:
-    head = "| run | point | step | " + " | ".join(f"{b} Acc@{n} / Best@{n}" for b in [*names, "average"]) + " |"
-    lines = [head, "|" + "---|" * (3 + len(names) + 1)]
-    for run, points in table.items():
-        for point, (step, res) in points.items():
-            cells = [f"{100 * res[b][f'acc@{n}']:.1f} / {100 * res[b][f'best@{n}']:.1f}" for b in [*names, "average"]]
-            lines.append(f"| {run} | {point} | {step} | " + " | ".join(cells) + " |")
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    m = sum(values) / len(values)
+    return m, (math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0)
+
+
+def runs_table(per_run: dict[str, dict[int, dict]], groups: dict[str, list[str]], names: list[str], n: int) -> str:
+    """Table 1's layout: per setting, the peak and the last checkpoint, mean ± std over its seeds
+    (each seed's own peak); the initial policies first, as reference rows."""
+    benches = [*names, "average"] if len(names) > 1 else names
+    head = "| run | point | step | " + " | ".join(f"{b} Acc@{n} / Best@{n}" for b in benches) + " |"
+    lines = [head, "|" + "---|" * (3 + len(benches))]
+
+    def row(label: str, point: str, points: list[tuple[int, dict]]) -> str:
+        cells = []
+        for b in benches:
+            acc = mean_std([100 * r[b][f"acc@{n}"] for _, r in points])
+            best = mean_std([100 * r[b][f"best@{n}"] for _, r in points])
+            cells.append(f"{acc[0]:.1f} / {best[0]:.1f}" if len(points) == 1 else
+                         f"{acc[0]:.1f} ± {acc[1]:.1f} / {best[0]:.1f} ± {best[1]:.1f}")
+        steps = ", ".join(str(s) for s, _ in points)
+        return f"| {label} | {point} | {steps} | " + " | ".join(cells) + " |"
+
+    initial = {run_args(r).get("model"): per_run[r][0] for g in groups.values() for r in g if 0 in per_run[r]}
+    for model, res in initial.items():
+        lines.append(row(f"initial policy ({model})" if len(initial) > 1 else "initial policy", "-", [(0, res)]))
+    for label, runs in groups.items():
+        seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
+        pl = [peak_and_last(per_run[r], n) for r in runs]
+        for point in ("peak", "last"):
+            lines.append(row(label + seeds, point, [p[point] for p in pl]))
     return "\n".join(lines)
 
 
+def training_curves(run: str, keys: list[str]) -> dict[str, dict[int, float]]:
+    """Per-step training metrics of a run from its metrics.jsonl, at x = step - 1: the number of
+    updates made before the step's rollout, so the initial policy's rollouts are at 0."""
+    path = Path(run) / "metrics.jsonl"
+    curves = {k: {} for k in keys}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        rec = json.loads(line)
+        for k in keys:
+            if k in rec and rec["step"] > 0:
+                curves[k][rec["step"] - 1] = rec[k]
+    return curves
+
+
 def plot_runs(
-    per_run: dict[str, dict[int, dict]], runs: dict[str, str], names: list[str], n: int, out: Path
+    per_run: dict[str, dict[int, dict]], groups: dict[str, list[str]], names: list[str], n: int, out: Path
 ) -> list[Path]:
-    """Accuracy vs step per benchmark, and pg loss / length CV / pos-neg length gap from TensorBoard."""
+    """The paper's three figures, each setting's mean over its seeds with a ± std band:
+    1. accuracy vs step (from step 0, the initial policy), and peak (solid) vs last (dashed) bars;
+    2. the policy-gradient loss over training; 3. response-length CV, negative-positive length
+    gap and mean length over training (rollout metrics from each run's metrics.jsonl)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    def band(ax, curves: list[dict[int, float]], label: str, color) -> None:
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if not steps:
+            return
+        stats = [mean_std([c[s] for c in curves]) for s in steps]
+        m = [x for x, _ in stats]
+        ax.plot(steps, m, label=label, color=color)
+        ax.fill_between(steps, [x - e for x, e in stats], [x + e for x, e in stats], color=color, alpha=0.2)
+
+    colors = {label: f"C{i}" for i, label in enumerate(groups)}
     paths = []
-    panels = [*names, "average"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
-    for ax, bench in zip(axes[0], panels):
-        for label, per_step in per_run.items():
-            steps = sorted(per_step)
-            ax.plot(steps, [100 * per_step[s][bench][f"acc@{n}"] for s in steps], marker="o", label=label)
-        ax.set_title(bench)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"Acc@{n} (%)")
-    axes[0][0].legend(fontsize=8)
+    bench = "average" if len(names) > 1 else names[0]
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    for label, runs in groups.items():
+        band(ax, [{s: 100 * r[bench][f"acc@{n}"] for s, r in per_run[run].items()} for run in runs],
+             label, colors[label])
+    ax.set(title=f"{bench}: Acc@{n} vs step (mean ± std over seeds)", xlabel="step", ylabel=f"Acc@{n} (%)")
+    ax.legend(fontsize=8)
+    for i, (label, runs) in enumerate(groups.items()):
+        pl = [peak_and_last(per_run[r], n) for r in runs]
+        for j, (point, style) in enumerate((("peak", dict(fill=True)), ("last", dict(fill=False, linestyle="--")))):
+            m, e = mean_std([100 * p[point][1][bench][f"acc@{n}"] for p in pl])
+            bars.bar(i + 0.38 * (j - 0.5), m, width=0.36, yerr=e, edgecolor=colors[label], color=colors[label],
+                     linewidth=1.5, capsize=3, label=point if i == 0 else None, **style)
+    initial = [per_run[r][0][bench][f"acc@{n}"] for g in groups.values() for r in g if 0 in per_run[r]]
+    if initial:
+        bars.axhline(100 * initial[0], color="grey", linewidth=1, label="initial policy")
+    bars.set_xticks(range(len(groups)), list(groups), fontsize=8, rotation=15)
+    bars.set(title="peak (solid) and last (dashed)", ylabel=f"Acc@{n} (%)")
+    bars.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(out / "accuracy_vs_step.png")
+    paths.append(out / "figure1_accuracy.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
-    tags = [("loss/pg", "policy-gradient loss"), ("length/cv", "response-length CV"),
-            ("length/pos_neg_gap", "neg - pos length gap (tokens)")]
-    fig, axes = plt.subplots(1, len(tags), figsize=(4.5 * len(tags), 3.2), squeeze=False)
-    for label, run in runs.items():
-        tb = Path(run) / "tb"
-        if not tb.exists():
-            continue
-        acc = EventAccumulator(str(tb))
-        acc.Reload()
+    panels = {"figure2_pg_loss.png": [("loss/pg", "policy-gradient loss")],
+              "figure3_length.png": [("length/cv", "response-length CV (within group)"),
+                                     ("length/pos_neg_gap", "neg - pos response length (tokens)"),
+                                     ("length/mean", "mean response length (tokens)")]}
+    for name, tags in panels.items():
+        fig, axes = plt.subplots(1, len(tags), figsize=(4.6 * len(tags), 3.4), squeeze=False)
+        for label, runs in groups.items():
+            curves = [training_curves(r, [t for t, _ in tags]) for r in runs]
+            for ax, (tag, _) in zip(axes[0], tags):
+                band(ax, [c[tag] for c in curves if c[tag]], label, colors[label])
         for ax, (tag, title) in zip(axes[0], tags):
-            if tag in acc.Tags()["scalars"]:
-                ev = acc.Scalars(tag)
-                ax.plot([e.step for e in ev], [e.value for e in ev], label=label)
-            ax.set_title(title)
-            ax.set_xlabel("step")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "training_dynamics.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+            ax.set(title=title, xlabel="updates before the rollout (0: initial policy)")
+            if tag in ("loss/pg", "length/pos_neg_gap"):
+                ax.axhline(0, color="grey", linewidth=0.8)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths
 
 
@@ -353,14 +454,14 @@ def make_llm(model: str, args):
     return LLM(model=model, **kw)
 
 
-def sample_all(pending: list[tuple], benchmarks: dict[str, list[dict]], args) -> None:
+def sample_all(pending: list[str], benchmarks: dict[str, list[dict]], args) -> None:
     """Sample every pending checkpoint with one engine, swapping the weights in place between them."""
     from transformers import AutoTokenizer
 
     from train_grpo import load_weights_into_vllm
 
     llm = None
-    for _, _, ckpt in pending:
+    for ckpt in pending:
         if not shard_todo(ckpt, benchmarks, args):
             continue  # everything of this shard is cached (a resumed evaluation)
         t0 = time.time()
@@ -407,6 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         if args.model:
+            args.model = resolve_model(args.model)
             check_checkpoint(args.model)
             jobs = {None: [(None, args.model)]}
         else:
@@ -430,17 +532,18 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, RuntimeError, OSError) as e:
         sys.exit(f"evaluate.py: error: {str(e).splitlines()[0]}")
 
-    per_run, pending = {}, []
-    for run, ckpts in jobs.items():
-        per_run[run] = {}
-        for step, ckpt in ckpts:
+    per_run, results, pending = {}, {}, []  # results and pending by checkpoint
+    for ckpts in jobs.values():
+        for _, ckpt in ckpts:
             cached = cache_dir(ckpt, args) / "results.json"
+            if ckpt in results or ckpt in pending:
+                continue  # e.g. the initial policy that several runs share
             if cached.exists() and set(json.loads(cached.read_text())["results"]) >= set(benchmarks):
-                per_run[run][step] = json.loads(cached.read_text())["results"]
+                results[ckpt] = json.loads(cached.read_text())["results"]
                 if args.shard is None:
                     print(f"[eval] {ckpt}: already evaluated ({cached})", flush=True)
             else:
-                pending.append((run, step, ckpt))
+                pending.append(ckpt)
 
     if args.shard is not None or args.data_parallel_size == 1:
         sample_all(pending, benchmarks, args)  # this process's engine
@@ -448,26 +551,27 @@ def main(argv: list[str] | None = None) -> None:
             return
     elif pending:
         run_shards(args, argv)
-    for run, step, ckpt in pending:
-        per_run[run][step] = checkpoint_results(ckpt, benchmarks, args)
-        print(f"[eval] {ckpt}\n{format_table(per_run[run][step], args.n)}", flush=True)
+    for ckpt in pending:
+        results[ckpt] = checkpoint_results(ckpt, benchmarks, args)
+        print(f"[eval] {ckpt}\n{format_table(results[ckpt], args.n)}", flush=True)
         print(f"[eval] results: {cache_dir(ckpt, args) / 'results.json'}", flush=True)
+    for run, ckpts in jobs.items():
+        per_run[run] = {step: results[ckpt] for step, ckpt in ckpts}
 
     if args.run:
         names = list(benchmarks)
-        labels = {run_label(r): r for r in args.run}
-        table = {run_label(r): peak_and_last(per_run[r], args.n) for r in args.run}
+        groups = group_runs(args.run)
         out = Path(args.out or args.run[0])
         out.mkdir(parents=True, exist_ok=True)
-        text = runs_table(table, names, args.n)
+        text = runs_table(per_run, groups, names, args.n)
         (out / "eval_table.md").write_text(text + "\n")
         (out / "eval_table.json").write_text(json.dumps(
-            {label: {p: {"step": s, "results": r} for p, (s, r) in pts.items()} for label, pts in table.items()},
-            indent=1))
+            {label: {run: {str(s): r for s, r in per_run[run].items()} for run in runs}
+             for label, runs in groups.items()}, indent=1))
         print(text)
         print(f"[eval] table: {out / 'eval_table.md'}")
         if args.plot:
-            paths = plot_runs({run_label(r): per_run[r] for r in args.run}, labels, names, args.n, out)
+            paths = plot_runs(per_run, groups, names, args.n, out)
             print("[eval] figures: " + ", ".join(map(str, paths)))
 
 

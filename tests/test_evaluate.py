@@ -50,19 +50,18 @@ COMMON = ["--benchmarks", "math500,humaneval,demo-test", "--data-dir", str(BENCH
 
 @pytest.fixture(scope="module")
 def fake_run(demo_dir, tmp_path_factory):
-    """A run directory shaped like the trainer's: two checkpoints, args.json and a TensorBoard log."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    run = tmp_path_factory.mktemp("runs") / "demo-balanced"
+    """A run directory shaped like the trainer's: two checkpoints, args.json naming its initial
+    policy (a copy of the demo model) and a metrics.jsonl."""
+    root = tmp_path_factory.mktemp("runs")
+    run = root / "demo-balanced"
+    shutil.copytree(demo_dir / "model", root / "initial", ignore=NO_EVAL)
     for step in (10, 20):
         shutil.copytree(demo_dir / "model", run / "checkpoints" / f"step_{step:06d}", ignore=NO_EVAL)
-    (run / "args.json").write_text(json.dumps({"agg": "balanced"}))
-    w = SummaryWriter(str(run / "tb"))
-    for step in range(1, 21):
-        w.add_scalar("loss/pg", 0.01 / step, step)
-        w.add_scalar("length/cv", 0.3, step)
-        w.add_scalar("length/pos_neg_gap", 5.0 - step / 10, step)
-    w.close()
+    (run / "args.json").write_text(json.dumps({"agg": "balanced", "model": str(root / "initial")}))
+    with open(run / "metrics.jsonl", "w") as f:
+        for step in range(1, 21):
+            f.write(json.dumps({"step": step, "loss/pg": 0.01 / step, "length/cv": 0.3, "length/mean": 7.0,
+                                "length/pos_neg_gap": 5.0 - step / 10}) + "\n")
     return run
 
 
@@ -83,16 +82,51 @@ def test_evaluate_run_end_to_end(fake_run):
     assert out["demo-test"]["acc@3"] > 0  # the demo model does solve some of its own task
     avg = out["average"]["acc@3"]
     assert avg == pytest.approx(sum(out[b]["acc@3"] for b in ("math500", "humaneval", "demo-test")) / 3)
+    # step 0: the initial policy of args.json, evaluated (and cached) in its own directory
+    initial = json.loads(next((fake_run.parent / "initial" / "eval").iterdir()).joinpath("results.json").read_text())
+    assert initial["results"] == out  # the same weights and seeds as the checkpoints here
 
     table = (fake_run / "eval_table.md").read_text()
-    assert "| peak |" in table and "| last | 20 |" in table and "demo-balanced" in table
+    assert "| initial policy | - | 0 |" in table
+    assert "| peak | 20 |" in table and "| last | 20 |" in table and "demo-balanced" in table
     assert "| benchmark" in res.stdout and "average" in res.stdout
-    for png in ("accuracy_vs_step.png", "training_dynamics.png"):
+    for png in ("figure1_accuracy.png", "figure2_pg_loss.png", "figure3_length.png"):
         assert (fake_run / png).stat().st_size > 10_000
 
-    # A second call finds both checkpoints evaluated and generates nothing.
+    # A second call finds the initial policy and both checkpoints evaluated and generates nothing.
     again = evaluate("--run", str(fake_run), *COMMON)
-    assert again.returncode == 0 and again.stdout.count("already evaluated") == 2
+    assert again.returncode == 0 and again.stdout.count("already evaluated") == 3
+
+
+def _results(acc: float) -> dict:
+    return {"demo-test": {"acc@8": acc, "best@8": min(1.0, 2 * acc)}, "average": {"acc@8": acc, "best@8": 0.0}}
+
+
+def test_seeds_of_one_setting_are_averaged(tmp_path):
+    from evaluate import group_runs, runs_table
+
+    runs = {}
+    for agg, seed, accs in [("seq", 1, (0.3, 0.5, 0.4)), ("seq", 2, (0.3, 0.6, 0.7)), ("token", 1, (0.3, 0.2, 0.1))]:
+        run = tmp_path / f"lab-{agg}-s{seed}"
+        run.mkdir()
+        args = {"model": "lab", "agg": agg, "seed": seed, "output_dir": str(run), "lr": 2e-4, "steps": 40}
+        (run / "args.json").write_text(json.dumps(args))
+        runs[str(run)] = {step: _results(a) for step, a in zip((0, 10, 20), accs)}
+    groups = group_runs(list(runs))
+    assert groups == {"seq": [str(tmp_path / "lab-seq-s1"), str(tmp_path / "lab-seq-s2")],
+                      "token": [str(tmp_path / "lab-token-s1")]}
+    lines = runs_table(runs, groups, ["demo-test"], 8).splitlines()
+    assert lines[2] == "| initial policy | - | 0 | 30.0 / 60.0 |"
+    # each seed's own peak (steps 10 and 20): 50 and 70 -> 60 ± 14.1 (sample std); last: 40 and 70
+    assert lines[3] == "| seq (2 seeds) | peak | 10, 20 | 60.0 ± 14.1 / 100.0 ± 0.0 |"
+    assert lines[4] == "| seq (2 seeds) | last | 20, 20 | 55.0 ± 21.2 / 90.0 ± 14.1 |"
+    assert lines[5] == "| token | peak | 10 | 20.0 / 40.0 |"  # the initial policy is never the peak
+    # another model is another setting, labelled by what differs
+    other = tmp_path / "lab-nogap-seq-s1"
+    other.mkdir()
+    (other / "args.json").write_text(json.dumps({"model": "lab-nogap", "agg": "seq", "seed": 1, "lr": 2e-4}))
+    labels = set(group_runs([*runs, str(other)]))
+    assert labels == {"lab seq", "lab token", "lab-nogap seq"}
 
 
 def test_killed_evaluation_resumes(fake_run, demo_dir, tmp_path):
