@@ -1,0 +1,100 @@
+"""The paper's ablation in one command: every aggregation rule x several seeds, then Table 1 and
+Figures 1-3 (mean ± std over seeds).
+
+    python ablation.py                        # the aggregation lab on the CPU: 3 rules x 3 seeds
+    python ablation.py --model lab-nogap      # the control: the same lengths, no sign-length gap
+    python ablation.py --model Qwen/Qwen2.5-Math-7B --seeds 1 --out runs/ablation-7b \\
+        --eval-args "--benchmarks aime24,amc23,math500 --template dapo --n 8" \\
+        -- --dataset BytedTsinghua-SIA/DAPO-Math-17k --template dapo    # paper scale (args after -- go to the trainer)
+
+Each run is `deepspeed train_grpo.py --model M --agg A --seed S --output-dir OUT/M-A-sS ...`, its
+output in OUT/M-A-sS.log; a finished run is skipped and an interrupted one resumes, so the same
+command continues an ablation that was stopped. Then `evaluate.py --run OUT/M-*-s* --plot --out OUT`
+scores every checkpoint and the initial policy, and writes OUT/eval_table.md and the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+# the offline policies: evaluate on the held-out sums, sampled as in training
+LAB_EVAL = "--benchmarks demo-test --template plain --n 8 --temperature 1.0 --top-p 1.0 --max-tokens 48"
+
+
+def finished(run: Path) -> bool:
+    """The run's last checkpoint is its final step."""
+    try:
+        steps = json.loads((run / "args.json").read_text())["steps"]
+        return (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps:06d}"
+    except (OSError, KeyError, json.JSONDecodeError):
+        return False
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    train_extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="lab", help="'lab', 'lab-nogap', 'demo', a checkpoint or a hub id")
+    p.add_argument("--aggs", nargs="+", default=["seq", "token", "balanced"], choices=["seq", "token", "balanced"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--nproc", type=int, default=None, help="ranks per run (default: GPUs, or 2 on the CPU)")
+    p.add_argument("--out", default=None, help="default runs/ablation-MODEL")
+    p.add_argument("--eval-args", default=None, help=f"evaluate.py's arguments (offline policies: {LAB_EVAL!r})")
+    args = p.parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    out = Path(args.out or f"runs/ablation-{Path(args.model).name}")
+    offline = args.model in ("demo", "lab", "lab-nogap")
+    eval_args = shlex.split(args.eval_args if args.eval_args is not None else LAB_EVAL if offline else "--n 8")
+    env = dict(os.environ, **({} if cuda else {"DS_ACCELERATOR": "cpu"}))
+    out.mkdir(parents=True, exist_ok=True)
+
+    t_all, runs = time.time(), []
+    for seed in args.seeds:
+        for agg in args.aggs:
+            run = out / f"{Path(args.model).name}-{agg}-s{seed}"
+            runs.append(run)
+            if finished(run):
+                print(f"[ablation] {run.name}: already trained", flush=True)
+                continue
+            t0 = time.time()
+            # the trainer's own held-out evaluation is left to evaluate.py (every checkpoint, all seeds)
+            cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "train_grpo.py",
+                   "--model", args.model, "--agg", agg, "--seed", str(seed), "--output-dir", str(run),
+                   "--eval-dataset", "", *train_extra]
+            with open(out / f"{run.name}.log", "a") as log:
+                rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            if rc != 0 or not finished(run):
+                tail = (out / f"{run.name}.log").read_text().splitlines()[-5:]
+                sys.exit("\n".join(tail) + f"\nablation.py: error: {run.name} failed (exit {rc}); "
+                         f"its output is in {out / (run.name + '.log')}; rerun the same command to resume")
+            print(f"[ablation] {run.name}: trained in {time.time() - t0:.0f} s", flush=True)
+    t_train = time.time() - t_all
+
+    t0 = time.time()
+    cmd = [sys.executable, "evaluate.py", "--run", *map(str, runs), "--plot", "--out", str(out), *eval_args]
+    rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (out / "evaluate.log").write_text(rc.stdout)
+    if rc.returncode != 0:
+        sys.exit("\n".join(rc.stdout.splitlines()[-5:]) + f"\nablation.py: error: evaluation failed; "
+                 f"see {out}/evaluate.log; rerun the same command to resume")
+    print((out / "eval_table.md").read_text(), end="")
+    t_eval = time.time() - t0
+    print(f"[ablation] training {t_train:.0f} s, evaluation {t_eval:.0f} s, total {time.time() - t_all:.0f} s")
+    print(f"[ablation] table and figures in {out}/ (eval_table.md, figure1_accuracy.png, figure2_pg_loss.png, "
+          "figure3_length.png)")
+
+
+if __name__ == "__main__":
+    main()
