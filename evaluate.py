@@ -8,9 +8,10 @@ at least one of k samples, by the unbiased pass@k estimator 1 - C(n-c, k) / C(n,
 samples with c correct (never a bootstrap). Both are reported for k = 1 and k = n; Acc@1 and
 Acc@n have the same expectation (the per-sample accuracy), Best@1 equals them.
 
-With --model, one checkpoint; with --run, every checkpoint of each training run (already
-evaluated ones are skipped) and a table of each run's peak checkpoint (best average Acc@n)
-and last step, in the layout of the paper's Table 1. Samples and scores are cached per
+With --model, one checkpoint; with --run, the initial policy (step 0) and every checkpoint of
+each training run (already evaluated ones are skipped) and a table of each run's peak checkpoint
+(best average Acc@n) and last step, in the layout of the paper's Table 1, mean ± std over the
+seeds of one setting. Samples and scores are cached per
 checkpoint under CKPT/eval/<settings>/ as they are made, so a killed evaluation resumes
 where it stopped, and every response can be inspected there.
 """

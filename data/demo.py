@@ -88,8 +88,8 @@ def sft_response(task: str, a: int, b: int, rng: random.Random) -> str:
         # demo's off-by-one failures: nothing ties the length to the reward. (With the ramble after
         # the answer, a 2-layer model rambles longer after a sampled wrong digit: a gap of ~10%.)
         return " wait" * k + f" \\boxed{{{a + b if right else a + b + rng.choice((-1, 1))}}}"
-    # The first word commits, the answer follows at a fixed position (a 2-layer model cannot carry a
-    # sum across a ramble of variable length), the rest of the ramble comes after it. A failure
+    # The first word commits, the answer follows at a fixed position (warmed up from the demo, the
+    # policy did not learn to carry a sum across a ramble of variable length), then the rest. A failure
     # answers the first operand: a wrong answer that a 2-layer model can learn to tie to its first
     # word (an off-by-one sum it learns only unconditionally).
     word = " so" if right else " wait"
