@@ -55,7 +55,9 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
     out = Path(args.out or f"runs/ablation-{Path(args.model).name}")
-    offline = args.model in ("demo", "lab", "lab-nogap")
+    from data.demo import TASKS
+
+    offline = args.model in TASKS
     eval_args = shlex.split(args.eval_args if args.eval_args is not None else LAB_EVAL if offline else "--n 8")
     env = dict(os.environ, **({} if cuda else {"DS_ACCELERATOR": "cpu"}))
     out.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,7 @@ DEMO_DEFAULTS = dict(
     max_prompt_len=32, max_response_len=12, steps=40, eval_interval=10, save_interval=20,
     eval_samples=4, eval_limit=200, output_dir="runs/demo",
 )
-# The aggregation lab (data/demo.py): the same task, with responses of 2-40 tokens whose failures
+# The aggregation lab (data/demo.py): the same task, with responses of 5-35 tokens whose failures
 # ramble longer; output in runs/lab-AGG (or runs/lab-nogap-AGG), a checkpoint every 10 steps.
 LAB_DEFAULTS = {**DEMO_DEFAULTS, "max_response_len": 48, "save_interval": 10, "output_dir": None}
 OFFLINE_DEFAULTS = {"demo": DEMO_DEFAULTS, "lab": LAB_DEFAULTS, "lab-nogap": LAB_DEFAULTS}
