@@ -78,6 +78,35 @@ def test_benchmark_answers(name):
     assert false_pos == {k["id"] for k in known if k["case"] == "cross"}
 
 
+def test_quick_path_agrees_with_math_verify():
+    """Answers decided in the caller (same canonical string, or two different integers) get the
+    verdict math-verify gives: on every benchmark file's own and crossed (response, answer) pairs."""
+    decided = {0.0: 0, 1.0: 0}
+    for name in FILES:
+        cs = cases(name, 150)
+        for i, c in enumerate(cs):
+            pred = rewards.last_boxed(c["response"])
+            for answer in (c["answer"], cs[(i + 1) % len(cs)]["answer"]):
+                quick = rewards.quick_math_reward(pred, answer) if pred is not None else None
+                if quick is not None and pred is not None and len(pred) <= rewards.MAX_ANSWER_CHARS:
+                    assert quick == float(rewards._verify(pred, answer)), (name, c["id"], pred, answer)
+                    decided[quick] += 1
+    assert decided[0.0] >= 100 and decided[1.0] >= 100, decided  # both shortcuts were exercised
+    assert rewards.quick_math_reward("1/2", "0.5") is None  # equivalence is math-verify's to decide
+    assert rewards.quick_math_reward("1,000", "1000") == 1.0 and rewards.quick_math_reward("-07", "7") == 0.0
+
+
+def test_integer_answers_are_scored_without_workers():
+    rewards.shutdown()
+    responses = [f"so \\boxed{{{i % 7}}}" for i in range(200)]
+    scores = compute_rewards(responses, ["3"] * 200, ["math"] * 200, num_workers=4)
+    assert scores == [float(i % 7 == 3) for i in range(200)]
+    assert rewards._workers == []  # no round trip to a scoring process
+    # what the shortcut cannot decide still goes to math-verify in a worker
+    assert compute_rewards(["\\boxed{\\frac12}", "Answer: 3"], ["0.5", "3"], ["math"] * 2) == [1.0, 1.0]
+    assert len(rewards._workers) == 2
+
+
 # -- math: pathological and fuzzed input -----------------------------------------------------------
 
 PATHOLOGICAL = [
