@@ -183,13 +183,14 @@ def peer_row(args, our_step_s: float) -> dict | None:
 
     if importlib.util.find_spec("trl") is None:
         return None
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
-                                                            "VLLM_CPU_OMP_THREADS_BIND")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     cmd = [sys.executable, __file__, "--peer-probe", "--model", args.model, "--dataset", args.dataset,
            "--template", args.template, "--prompts-per-rank", str(args.prompts_per_rank), "--group-size",
            str(args.group_size), "--micro-batch-size", str(args.micro_batch_size), "--max-response-len",
            str(args.max_response_len), "--world", str(args.world), "--peer-steps", str(args.peer_steps)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    # one process on every core (this rank is pinned to its share)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                         preexec_fn=lambda: os.sched_setaffinity(0, range(os.cpu_count() or 1)))
     if res.returncode != 0:
         return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"rc {res.returncode}"}
     trl = json.loads(res.stdout.strip().splitlines()[-1])
@@ -337,6 +338,8 @@ def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
+    else:
+        T.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -394,8 +397,12 @@ def main() -> None:
     t_update, t_bare_update = best_of_pair(
         args.repeats, lambda: T.update_minibatch(engine, rollouts, w, args, world, device),
         lambda: bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device))
+    # model FLOPs of the update, ~6 x params x tokens (forward 2, backward 4; attention left out)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    flops = 6 * n_params * sum(len(r["tokens"]) for r in rollouts)
     results["update"] = {"trainer_s": t_update, "bare_s": t_bare_update, "ratio": t_update / t_bare_update,
-                         "padding_share": padding_share(rollouts, args.micro_batch_size)}
+                         "padding_share": padding_share(rollouts, args.micro_batch_size),
+                         "params": n_params, "gflop_per_s": flops / t_update / 1e9}
 
     t_sync = best_of(args.repeats, lambda: T.sync_weights_to_vllm(engine, llm))
     step = t_trainer + t_reward + t_update + t_sync
@@ -418,6 +425,7 @@ def main() -> None:
             t0 = time.perf_counter()
             compute_rewards(resp, ans, ["math"] * args.reward_n, args.reward_workers)
             results["reward"] = {"responses": args.reward_n, "workers": args.reward_workers,
+                                 "cores": len(os.sched_getaffinity(0)),
                                  "per_s": args.reward_n / (time.perf_counter() - t0)}
         results["logprob_memory"] = memory
         Path(args.out).write_text(json.dumps(results, indent=1))
@@ -429,12 +437,16 @@ def main() -> None:
         print(f"| update | {r['update']['trainer_s']:.3f} s | {r['update']['bare_s']:.3f} s | "
               f"{r['update']['ratio']:.3f} | <= {TARGETS['update']} "
               f"(padding share {r['update']['padding_share']:.3f}) |")
+        print(f"| update throughput | {r['update']['gflop_per_s']:.1f} GFLOP/s per rank | | | "
+              f"(6 x {r['update']['params'] / 1e6:.2f}M params x tokens) |")
         print(f"| weight sync | {r['sync']['sync_s']:.3f} s | step {r['sync']['step_s']:.3f} s | "
               f"{r['sync']['share']:.3f} of step | <= {TARGETS['sync_share']} |")
         for s in r["sync_scaling"]:
             print(f"| sync, {s['params_m']:.0f}M params | {s['sync_s']:.3f} s | | | |")
         if "reward" in r:
-            print(f"| reward | {r['reward']['per_s']:.0f} responses/s ({r['reward']['workers']} workers) | | | |")
+            print(f"| reward | {r['reward']['per_s']:.0f} responses/s ({r['reward']['workers']} workers, "
+                  f"{r['reward']['cores']} core{'s' * (r['reward']['cores'] != 1)}) | | | "
+                  "MATH-500 solutions, half vs a wrong answer |")
         if r["peer"] is None:
             print("| peer: TRL GRPOTrainer | not installed (pip install trl) | | | |")
         elif "error" in r["peer"]:

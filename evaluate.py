@@ -487,18 +487,21 @@ def run_shards(args, argv: list[str] | None) -> None:
     if torch.cuda.is_available() and len(gpus) < dp * tp:
         sys.exit(f"evaluate.py: error: --data-parallel-size {dp} x --tensor-parallel-size {tp} needs {dp * tp} GPUs, "
                  f"{len(gpus)} visible")
-    cores = os.cpu_count() or 1
+    cores = sorted(os.sched_getaffinity(0))
     procs = []
     for i in range(dp):
-        env = dict(os.environ)
+        env, mine = dict(os.environ), None
         if torch.cuda.is_available():
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp : (i + 1) * tp])
-        elif cores >= dp:  # each CPU engine on its own cores
-            per = cores // dp
-            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{i * per}-{(i + 1) * per - 1}"
+        elif len(cores) >= dp and "OMP_NUM_THREADS" not in os.environ:
+            # each CPU engine on its own cores (vLLM binds none itself when it runs in-process)
+            per = len(cores) // dp
+            mine = cores[i * per : (i + 1) * per]
+            env["OMP_NUM_THREADS"] = str(per)
         cmd = [sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv),
                "--shard", str(i)]
-        procs.append(subprocess.Popen(cmd, env=env))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=None if mine is None else
+                                      lambda mine=mine: os.sched_setaffinity(0, mine)))
     failed = [i for i, p in enumerate(procs) if p.wait() != 0]
     if failed:
         sys.exit(f"evaluate.py: error: data-parallel worker(s) {failed} failed (see their output above); "

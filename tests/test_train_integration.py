@@ -65,6 +65,32 @@ def test_two_rank_run(agg, minibatches, demo_dir, tmp_path):
     assert trained != initial  # the weights did move, so the equality above is the sync's doing
 
 
+def test_cpu_ranks_get_their_own_cores():
+    """On the CPU each rank (trainer + in-process vLLM engine) runs on its share of the cores with
+    as many torch threads; a launcher's OMP_NUM_THREADS (deepspeed --bind_cores_to_rank) wins."""
+    import os
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    probe = ("import os, sys, torch, train_grpo as T; T.pin_cpu_rank(int(sys.argv[1]), int(sys.argv[2])); "
+             "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())")
+
+    def pinned(rank, world, **env):
+        base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        out = subprocess.run([sys.executable, "-c", probe, str(rank), str(world)], cwd=ROOT, capture_output=True,
+                             text=True, env={**base, **env}, check=True).stdout.strip().splitlines()[-1]
+        return out
+
+    per = max(1, len(cores) // 2)
+    for rank in range(2):
+        mine = cores[rank * per : (rank + 1) * per] if len(cores) >= 2 else cores
+        assert pinned(rank, 2) == f"{mine} {len(mine)}"
+    # more ranks than cores: they share, round robin
+    assert pinned(len(cores) + 1, 2 * len(cores)) == f"{[cores[(len(cores) + 1) % len(cores)]]} 1"
+    assert pinned(1, 2, OMP_NUM_THREADS="1") == f"{cores} 1"  # left alone: not pinned to a share
+
+
 def bad_input(*flags, env=None):
     import subprocess
     import sys
