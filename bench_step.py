@@ -338,9 +338,9 @@ def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    else:
-        T.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if not cuda:  # as the trainer does
+        T.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     args.model_path = args.model

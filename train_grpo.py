@@ -347,9 +347,10 @@ def pin_cpu_rank(local_rank: int, local_world: int) -> None:
     vLLM binds threads only for engines in worker processes (VLLM_CPU_OMP_THREADS_BIND does
     nothing in-process); unpinned, every rank runs one thread per core of the machine, and the
     ranks' spinning OpenMP threads fight over the cores (measured on 2 cores, 2 ranks: the same
-    rollout 2.5-4 x slower than one rank alone). Must run before any torch thread pool starts.
+    rollout 2.5-4 x slower than one rank alone).
     A launcher that binds ranks itself (deepspeed --bind_cores_to_rank) sets OMP_NUM_THREADS:
-    then it is left alone.
+    then it is left alone. Call it before the first parallel torch op, so that every thread
+    this rank starts from then on inherits its cores.
     """
     if "OMP_NUM_THREADS" in os.environ:
         return
@@ -685,11 +686,11 @@ def main(argv: list[str] | None = None) -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    else:
-        pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
     with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if not cuda:  # after the first start's JIT build of DeepSpeed's CPU comm op, which may use every core
+        pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
