@@ -487,7 +487,7 @@ def run_shards(args, argv: list[str] | None) -> None:
     if torch.cuda.is_available() and len(gpus) < dp * tp:
         sys.exit(f"evaluate.py: error: --data-parallel-size {dp} x --tensor-parallel-size {tp} needs {dp * tp} GPUs, "
                  f"{len(gpus)} visible")
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []  # macOS: no pinning
     procs = []
     for i in range(dp):
         env, mine = dict(os.environ), None

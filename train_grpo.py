@@ -354,6 +354,9 @@ def pin_cpu_rank(local_rank: int, local_world: int) -> None:
     """
     if "OMP_NUM_THREADS" in os.environ:
         return
+    if not hasattr(os, "sched_setaffinity"):  # macOS: no affinity, threads only
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        return
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // local_world)
     mine = [cores[(local_rank * per + i) % len(cores)] for i in range(per)]  # more ranks than cores: shared
