@@ -189,8 +189,9 @@ def peer_row(args, our_step_s: float) -> dict | None:
            str(args.group_size), "--micro-batch-size", str(args.micro_batch_size), "--max-response-len",
            str(args.max_response_len), "--world", str(args.world), "--peer-steps", str(args.peer_steps)]
     # one process on every core (this rank is pinned to its share)
+    every_core = lambda: os.sched_setaffinity(0, range(os.cpu_count() or 1))  # noqa: E731
     res = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                         preexec_fn=lambda: os.sched_setaffinity(0, range(os.cpu_count() or 1)))
+                         preexec_fn=every_core if hasattr(os, "sched_setaffinity") else None)
     if res.returncode != 0:
         return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"rc {res.returncode}"}
     trl = json.loads(res.stdout.strip().splitlines()[-1])
@@ -316,9 +317,9 @@ def main() -> None:
     if args.memory_probe:
         return memory_probe(args.memory_probe, args.logprob_chunk)
     if args.peer_probe:
-        from data.demo import ensure_demo
+        from data.demo import model_dir
 
-        args.model_path = str(ensure_demo(args.model) / "model") if args.model in T.OFFLINE_DEFAULTS else args.model
+        args.model_path = model_dir(args.model)
         return peer_probe(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # before vLLM starts: its NUMA memory binding is inherited by child processes and skews their RSS
@@ -343,11 +344,9 @@ def main() -> None:
         T.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    args.model_path = args.model
-    if args.model in T.OFFLINE_DEFAULTS:
-        from data.demo import ensure_demo
+    from data.demo import model_dir
 
-        args.model_path = str(ensure_demo(args.model) / "model")
+    args.model_path = model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(args.model_path)
     args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     args.prompts_per_step = args.prompts_per_rank * world
@@ -425,7 +424,8 @@ def main() -> None:
             t0 = time.perf_counter()
             compute_rewards(resp, ans, ["math"] * args.reward_n, args.reward_workers)
             results["reward"] = {"responses": args.reward_n, "workers": args.reward_workers,
-                                 "cores": len(os.sched_getaffinity(0)),
+                                 "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                 else torch.get_num_threads(),
                                  "per_s": args.reward_n / (time.perf_counter() - t0)}
         results["logprob_memory"] = memory
         Path(args.out).write_text(json.dumps(results, indent=1))

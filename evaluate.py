@@ -260,21 +260,16 @@ def run_args(run: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def resolve_model(model: str) -> str:
-    """A checkpoint directory or hub id; the offline policies ('demo', 'lab', ...) by name."""
-    from data.demo import TASKS, ensure_demo
-
-    return str(ensure_demo(model) / "model") if model in TASKS else model
-
-
 def run_checkpoints(run: str) -> list[tuple[int, str]]:
     """(step, checkpoint) of a run: step 0 is the initial policy (the run's --model), then step_N."""
     ckpts = sorted(Path(run, "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     ckpts = [p for p in ckpts if not p.name.endswith(".tmp")]
     if not ckpts:
         raise ValueError(f"{run}: no checkpoints (expected {run}/checkpoints/step_N)")
+    from data.demo import model_dir
+
     initial = run_args(run).get("model")
-    return ([(0, resolve_model(initial))] if initial else []) + [(int(p.name.split("_")[1]), str(p)) for p in ckpts]
+    return ([(0, model_dir(initial))] if initial else []) + [(int(p.name.split("_")[1]), str(p)) for p in ckpts]
 
 
 def run_label(run: str) -> str:
@@ -282,17 +277,17 @@ def run_label(run: str) -> str:
     return f"{Path(run).name} ({agg})" if agg and agg not in Path(run).name else Path(run).name
 
 
-# arguments that do not make two runs different settings: seeds of one setting are averaged
-SEED_ARGS = {"seed", "output_dir", "resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval",
-             "save_interval", "keep_last", "max_bad_steps"}
-
-
 def group_runs(runs: list[str]) -> dict[str, list[str]]:
     """Runs of one setting (the same arguments but the seed) under one label: the arguments that
     differ between the settings ('token', 'lab-nogap balanced'), or each run alone by its name."""
+    from train_grpo import RUN_ARGS_IGNORED
+
+    # what may differ between one run's launches, plus the seed and where it is written
+    same_setting = RUN_ARGS_IGNORED | {"seed", "output_dir"}
+
     def setting(run: str) -> str:
         a = run_args(run)
-        return json.dumps({k: v for k, v in a.items() if k not in SEED_ARGS}, sort_keys=True) if a else run
+        return json.dumps({k: v for k, v in a.items() if k not in same_setting}, sort_keys=True) if a else run
 
     groups: dict[str, list[str]] = {}
     for run in runs:
@@ -300,7 +295,7 @@ def group_runs(runs: list[str]) -> dict[str, list[str]]:
     if all(len(g) == 1 for g in groups.values()):
         return {run_label(g[0]): g for g in groups.values()}
     firsts = [run_args(g[0]) for g in groups.values()]
-    keys = sorted({k for a in firsts for k in a} - SEED_ARGS)
+    keys = sorted({k for a in firsts for k in a} - same_setting)
     differ = [k for k in keys if len({json.dumps(a.get(k)) for a in firsts}) > 1]
     differ = sorted(differ, key=lambda k: k != "model")  # e.g. 'lab-nogap token'
     labels = {}
@@ -487,21 +482,14 @@ def run_shards(args, argv: list[str] | None) -> None:
     if torch.cuda.is_available() and len(gpus) < dp * tp:
         sys.exit(f"evaluate.py: error: --data-parallel-size {dp} x --tensor-parallel-size {tp} needs {dp * tp} GPUs, "
                  f"{len(gpus)} visible")
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []  # macOS: no pinning
     procs = []
     for i in range(dp):
-        env, mine = dict(os.environ), None
+        env = dict(os.environ)
         if torch.cuda.is_available():
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp : (i + 1) * tp])
-        elif len(cores) >= dp and "OMP_NUM_THREADS" not in os.environ:
-            # each CPU engine on its own cores (vLLM binds none itself when it runs in-process)
-            per = len(cores) // dp
-            mine = cores[i * per : (i + 1) * per]
-            env["OMP_NUM_THREADS"] = str(per)
         cmd = [sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv),
                "--shard", str(i)]
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=None if mine is None else
-                                      lambda mine=mine: os.sched_setaffinity(0, mine)))
+        procs.append(subprocess.Popen(cmd, env=env))
     failed = [i for i, p in enumerate(procs) if p.wait() != 0]
     if failed:
         sys.exit(f"evaluate.py: error: data-parallel worker(s) {failed} failed (see their output above); "
@@ -512,7 +500,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         if args.model:
-            args.model = resolve_model(args.model)
+            from data.demo import model_dir
+
+            args.model = model_dir(args.model)
             check_checkpoint(args.model)
             jobs = {None: [(None, args.model)]}
         else:
@@ -550,6 +540,12 @@ def main(argv: list[str] | None = None) -> None:
                 pending.append(ckpt)
 
     if args.shard is not None or args.data_parallel_size == 1:
+        import torch
+
+        if args.shard is not None and not torch.cuda.is_available():
+            from train_grpo import pin_cpu_rank
+
+            pin_cpu_rank(args.shard, args.data_parallel_size)  # each CPU engine on its own cores, as ranks are
         sample_all(pending, benchmarks, args)  # this process's engine
         if args.shard is not None:
             return

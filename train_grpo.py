@@ -701,14 +701,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
 
     try:
-        model_path = args.model
-        if model_path in OFFLINE_DEFAULTS:
-            from data.demo import ensure_demo
+        from data.demo import model_dir
 
-            if rank == 0:
-                ensure_demo(model_path)
-            dist.barrier()
-            model_path = str(ensure_demo(model_path) / "model")
+        if rank == 0:
+            model_dir(args.model)  # an offline policy is copied into the cache once, by rank 0
+        dist.barrier()
+        model_path = model_dir(args.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
         if context and args.max_prompt_len + args.max_response_len > context:

@@ -215,6 +215,12 @@ def ensure_demo(task: str = "demo") -> Path:
     return final
 
 
+def model_dir(model: str) -> str:
+    """The checkpoint directory of an offline policy named by `model` ('demo', 'lab', ...);
+    any other checkpoint directory or hub id unchanged."""
+    return str(ensure_demo(model) / "model") if model in TASKS else model
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", nargs="?", default="demo", choices=TASKS)
