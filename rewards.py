@@ -124,7 +124,7 @@ _INTEGER = re.compile(r"-?\d+")
 
 def quick_math_reward(pred: str | None, answer: str) -> float | None:
     """The cases decided without math-verify: no answer, the same canonical string, or two
-    different integers (DAPO-Math-17k's answers are all integers); None for the rest."""
+    different integers; None for the rest."""
     if pred is None or len(pred) > MAX_ANSWER_CHARS:
         return 0.0
     p, a = normalize(pred), normalize(answer)
