@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo")
     p.add_argument("--dataset", default="demo")
-    p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "benchmarks"))
+    p.add_argument("--data-dir", default=str(ROOT / "data" / "benchmarks"))
     p.add_argument("--template", default="plain")
     p.add_argument("--prompts-per-rank", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)

@@ -7,7 +7,7 @@ Code `tests` are what rewards.code_reward takes: {"test", "entry_point"[, "prelu
 {"stdio": [{"input", "output"}, ...]}.
 
     python -m data.prepare aime24 math500 humaneval              # from the Hugging Face hub
-    python -m data.prepare aime24 amc23 --from ../shared/benchmarks  # from local files
+    python -m data.prepare aime24 amc23 --from data/benchmarks  # from local files
     python -m data.prepare dapo17k --from path/to/dapo.parquet --out data/prepared
 
 `load_rows(spec)` accepts a name of DATASETS, a prepared or raw .jsonl/.json/.parquet file,
@@ -26,6 +26,8 @@ import re
 from pathlib import Path
 
 PREPARED_DIR = Path(__file__).resolve().parent / "prepared"
+# Benchmark copies that ship with the project (sources and licences in its README): found by name offline.
+SHIPPED_DIR = Path(__file__).resolve().parent / "benchmarks"
 
 # name -> Hugging Face (repo, config, split), the file name a local copy goes by, and whether
 # it is a training set (deduplicated by prompt). A hub id of this table loads with its entry.
@@ -266,8 +268,10 @@ def _task_range(rows: list[dict], spec: dict) -> list[dict]:
 def load_rows(spec: str, data_dir: str | None = None, train: bool | None = None) -> list[dict]:
     """Rows of a dataset in the prepared format; raises ValueError with a one-line reason.
 
-    A name of DATASETS is looked for as data_dir/<file>, then data/prepared/<name>.jsonl, and
-    is otherwise loaded from the hub with its entry's config and split, as is its hub id.
+    A name of DATASETS is looked for as data_dir/<file> (if data_dir is given, it must exist),
+    then data/prepared/<name>.jsonl, then the copy shipped in data/benchmarks (benchmarks only: a
+    training set is never silently replaced by its sample), and is otherwise loaded from the hub
+    with its entry's config and split, as is its hub id.
     train: deduplicate prompts (default: as DATASETS says; False for files and other names).
     """
     if spec in ("demo", "demo-test"):
@@ -279,8 +283,12 @@ def load_rows(spec: str, data_dir: str | None = None, train: bool | None = None)
     if name in DATASETS:
         entry = DATASETS[name]
         dedup = entry.get("train", False) if train is None else train
+        if data_dir and not Path(data_dir).is_dir():
+            raise ValueError(f"--data-dir {data_dir}: no such directory")
         local = [Path(data_dir) / entry["file"]] if data_dir else []
         local.append(PREPARED_DIR / f"{name}.jsonl")
+        if not entry.get("train"):
+            local.append(SHIPPED_DIR / entry["file"])
         path = None if from_hub else next((p for p in local if p.exists()), None)
         if path is None and entry["hf"] is None:
             raise ValueError(f"{name}: no local copy found ({', '.join(map(str, local))}); prepare it with --from")

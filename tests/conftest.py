@@ -7,7 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-BENCHMARKS = ROOT.parent / "shared" / "benchmarks"
+BENCHMARKS = ROOT / "data" / "benchmarks"  # the copies the project ships (sources and licences in its README)
 
 
 @pytest.fixture(scope="session")

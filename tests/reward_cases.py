@@ -1,6 +1,6 @@
 """Benchmark-derived (response, reference) cases for the math reward tests.
 
-Each math file of ../shared/benchmarks gives, per row, a response that should score 1 against
+Each math file of data/benchmarks gives, per row, a response that should score 1 against
 its own answer and 0 against a different problem's (different) answer. Where the source has a
 worked solution it is the response; otherwise the answer is written in the format the training
 sets use (\\boxed{} or DAPO's `Answer:` line).
@@ -9,8 +9,8 @@ sets use (\\boxed{} or DAPO's `Answer:` line).
 import json
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"
-FILES = ["math500", "aime24", "amc23", "gsm8k_test", "dapo_math_17k_sample", "dapo_aime24_prompts"]
+BENCHMARKS = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+FILES = ["math500", "aime24", "amc23", "gsm8k_test", "dapo_math_17k_sample"]
 
 
 def response_for(row: dict) -> str:
