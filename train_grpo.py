@@ -103,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--output-dir", default=None, help="default runs/<model>-<agg>")
     a("--seed", type=int, default=42)
     a("--ds-config", default=str(ROOT / "ds_config.json"))
-    a("--gradient-checkpointing", action="store_true")
+    a("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+      help="recompute activations in backward (default: on with CUDA, where 7B activations do not fit without it)")
     a("--logprob-chunk", type=int, default=256, help="tokens per lm_head chunk in log-prob computation")
     a("--vllm-gpu-memory", type=float, default=0.5, help="CUDA only: vLLM's share of GPU memory")
     a("--reward-workers", type=int, default=4)
@@ -212,9 +213,10 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log pi(y_t | y_<t) for the response tokens (response_mask), flattened in row order."""
     # The forward goes through the DeepSpeed engine, and the loss is built from its output: the
-    # final (normed) hidden states, hidden_states[-1], with logits_to_keep=[] so that the model
-    # skips its own lm_head. DeepSpeed hooks that output, so its backward prologue runs (ZeRO-3
-    # gradient-accumulation bookkeeping, the accumulation-boundary flag that offload reads).
+    # final (normed) hidden states, hidden_states[-1], with logits_to_keep=[] so that the model's
+    # own lm_head runs on an empty slice (ZeRO-3 still gathers lm_head for that call; the logits
+    # are computed in chunks below). DeepSpeed hooks that output, so its backward prologue runs
+    # (ZeRO-3 gradient-accumulation bookkeeping, the accumulation-boundary flag offload reads).
     out = engine(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
                  logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
     predict = response_mask[:, 1:]  # position t predicts token t+1
@@ -316,6 +318,36 @@ def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
 
 
 # -----------------------------------------------------------------------------
+# Collectives. NCCL serves CUDA tensors only ("No backend type associated with device type
+# cpu"), gloo CPU tensors: every collective of the project goes through these two functions,
+# which put the data on the device the backend serves (tests/test_collectives.py enforces it).
+
+
+def collective_device() -> torch.device:
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
+
+
+def all_reduce(values, op: str = "sum") -> torch.Tensor:
+    """A vector of numbers summed ("sum") or maximised ("max") over ranks; float64, on the CPU."""
+    import torch.distributed as dist
+
+    t = torch.as_tensor(values, dtype=torch.float64).to(collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.cpu()
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (NCCL: pickled through the current CUDA device)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# -----------------------------------------------------------------------------
 # vLLM: rollout engine and weight sync
 
 
@@ -333,12 +365,18 @@ def make_vllm(model_path: str, args, rank: int, local_rank: int):
         lambda record: record.getMessage() not in expected)
 
     max_len = args.max_prompt_len + args.max_response_len
-    if torch.cuda.is_available():
-        kw = dict(gpu_memory_utilization=args.vllm_gpu_memory, enable_sleep_mode=True, dtype="bfloat16")
-    else:
-        kw = vllm_cpu_kwargs(max_len)
-    return LLM(model=model_path, max_model_len=max_len, seed=args.seed + rank, tensor_parallel_size=1,
-               use_tqdm_on_load=False, **kw)
+    cuda = torch.cuda.is_available()
+    kw = dict(gpu_memory_utilization=args.vllm_gpu_memory, enable_sleep_mode=True, dtype="bfloat16") if cuda \
+        else vllm_cpu_kwargs(max_len)
+    # external_launcher: one engine per launched rank, on the device of LOCAL_RANK, inside the
+    # launcher's process group (CPU and CUDA alike). vLLM's default uniprocess executor would put
+    # every rank's engine on cuda:0 and move the rank's current device there.
+    llm = LLM(model=model_path, max_model_len=max_len, seed=args.seed + rank, tensor_parallel_size=1,
+              distributed_executor_backend="external_launcher", use_tqdm_on_load=False, **kw)
+    if cuda and torch.cuda.current_device() != local_rank:
+        sys.exit(f"train_grpo.py: error: rank {rank}: vLLM's engine moved the current CUDA device to "
+                 f"cuda:{torch.cuda.current_device()}, not cuda:{local_rank} (LOCAL_RANK)")
+    return llm
 
 
 def pin_cpu_rank(local_rank: int, local_world: int) -> None:
@@ -462,7 +500,6 @@ def to_rollouts(rows: list[dict], outputs: list) -> list[dict]:
 
 def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_dir: Path) -> dict[str, float]:
     """Greedy accuracy and sampled Acc@k on this rank's shard of the held-out prompts."""
-    import torch.distributed as dist
     from vllm import SamplingParams
 
     from rewards import compute_rewards
@@ -477,12 +514,10 @@ def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_
     k = args.eval_samples
     s_score = compute_rewards(s_text, [reference(r) for r in shard for _ in range(k)],
                               [r["kind"] for r in shard for _ in range(k)], args.reward_workers)
-    t = torch.tensor([sum(g_score), sum(s_score), len(shard), len(s_score)], dtype=torch.float64)
-    dist.all_reduce(t)
+    t = all_reduce([sum(g_score), sum(s_score), len(shard), len(s_score)])
     samples = [{"id": r["id"], "answer": r.get("answer"), "greedy": txt, "score": s}
                for r, txt, s in zip(shard, g_text, g_score)]
-    gathered = [None] * world
-    dist.all_gather_object(gathered, samples)
+    gathered = all_gather_objects(samples)
     if rank == 0:
         (out_dir / "eval").mkdir(parents=True, exist_ok=True)
         with open(out_dir / "eval" / f"step_{step:06d}.jsonl", "w") as f:
@@ -646,10 +681,14 @@ def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
         cfg.setdefault("communication_data_type", "fp32")
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
     optimizer.setdefault("params", {}).update(lr=args.lr, weight_decay=args.weight_decay)
-    if not torch.cuda.is_available() and optimizer.get("type", "").lower() in ("adam", "adamw"):
-        # torch.optim.AdamW: DeepSpeed's FusedAdam is JIT-compiled on first use, 2.5 minutes on a
-        # 2-core CPU, for no gain at this size. On CUDA FusedAdam stays (set torch_adam to change it).
+    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if optimizer.get("type", "").lower() in ("adam", "adamw") and not offload:
+        # torch.optim.AdamW instead of DeepSpeed's FusedAdam, which is JIT-compiled on first use
+        # (nvcc on a CUDA node; minutes on a CPU); on CUDA its fused kernel (a ZeRO-3 partition is
+        # one flat fp32 tensor per group). Optimizer offload keeps DeepSpeed's CPU Adam.
         optimizer["params"].setdefault("torch_adam", True)
+        if bf16:
+            optimizer["params"].setdefault("fused", True)
     return cfg
 
 
@@ -693,7 +732,8 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     if not cuda:  # after the first start's JIT build of DeepSpeed's CPU comm op, which may use every core
-        pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        # ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
+        pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
     transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -703,8 +743,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from data.demo import model_dir
 
-        if rank == 0:
-            model_dir(args.model)  # an offline policy is copied into the cache once, by rank 0
+        if local_rank == 0:
+            model_dir(args.model)  # an offline policy is copied into this node's cache once
         dist.barrier()
         model_path = model_dir(args.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -725,7 +765,7 @@ def main(argv: list[str] | None = None) -> None:
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841  (makes from_pretrained load partitioned)
     dtype = torch.bfloat16 if cuda else torch.float32
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    if args.gradient_checkpointing:
+    if args.gradient_checkpointing or (args.gradient_checkpointing is None and cuda):
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # warm-up over --lr-warmup-steps rollout steps, unless the DeepSpeed config brings its own schedule
     warmup = args.lr_warmup_steps * args.minibatches
@@ -835,8 +875,7 @@ def main(argv: list[str] | None = None) -> None:
         sums = dict.fromkeys(keys + (["ref_kl"] if ref_engine is not None else []), 0.0)
         # No learning signal anywhere (every group has zero reward variance, no KL term):
         # skip the update rather than let AdamW's momentum and decay move the weights.
-        signal_ = torch.tensor([float(bool((adv != 0).any()) or args.kl_coef > 0)])
-        dist.all_reduce(signal_, op=dist.ReduceOp.MAX)
+        signal_ = all_reduce([float(bool((adv != 0).any()) or args.kl_coef > 0)], op="max")
         for mb in range(args.minibatches if signal_.item() else 0):
             part = rollouts[mb * per_mb : (mb + 1) * per_mb]
             a, L = adv[mb * per_mb : (mb + 1) * per_mb], lengths[mb * per_mb : (mb + 1) * per_mb]
@@ -857,7 +896,7 @@ def main(argv: list[str] | None = None) -> None:
         timer["update"] = time.time() - t0
         if cuda:  # this rank's peak of the update (PyTorch's allocator), and the whole device in use
             free, total = torch.cuda.mem_get_info()
-            gpu_memory = torch.tensor([torch.cuda.max_memory_allocated() / 2**30, (total - free) / 2**30])
+            gpu_memory = [torch.cuda.max_memory_allocated() / 2**30, (total - free) / 2**30]
             torch.cuda.reset_peak_memory_stats()
 
         # 6. weight sync
@@ -875,11 +914,8 @@ def main(argv: list[str] | None = None) -> None:
         m = rollout_metrics(rollouts, args.group_size)
         local = {**m, **sums, "timeouts": rstats.get("timeouts", 0), "errors": rstats.get("errors", 0)}
         local = dict(sorted(local.items()))  # the same keys in the same order on every rank
-        vals = torch.tensor(list(local.values()), dtype=torch.float64)
-        dist.all_reduce(vals)
-        tot = dict(zip(local, vals.tolist()))
-        max_len = torch.tensor([float(lengths.max())])
-        dist.all_reduce(max_len, op=dist.ReduceOp.MAX)
+        tot = dict(zip(local, all_reduce(list(local.values())).tolist()))
+        max_len = all_reduce([float(lengths.max())], op="max")
         metrics = {
             "reward/mean": tot["reward"] / tot["responses"],
             "reward/accuracy": tot["correct"] / tot["responses"],
@@ -903,8 +939,8 @@ def main(argv: list[str] | None = None) -> None:
         if ref_engine is not None:
             metrics["loss/ref_kl"] = tot["ref_kl"] / max(1, tot["tokens"])
         if cuda:
-            dist.all_reduce(gpu_memory, op=dist.ReduceOp.MAX)
-            metrics["memory/update_peak_gib"], metrics["memory/device_used_gib"] = gpu_memory.tolist()
+            peak, used = all_reduce(gpu_memory, "max").tolist()
+            metrics["memory/update_peak_gib"], metrics["memory/device_used_gib"] = peak, used
 
         if eval_rows and (step % args.eval_interval == 0 or step == args.steps):
             metrics.update(evaluate(llm, eval_rows, args, rank, world, step, out_dir))

@@ -37,13 +37,15 @@ for _ in range(cfg["gradient_accumulation_steps"]):
     engine.step()
 print(json.dumps({"types": [str(t) for t in engine.get_data_types()], "comm": str(engine.communication_data_type),
                   "accum": str(engine.optimizer.gradient_accumulation_dtype),
-                  "grad_norm": float(engine.get_global_grad_norm())}))
+                  "grad_norm": float(engine.get_global_grad_norm()),
+                  "optimizer": type(engine.optimizer.optimizer).__name__,
+                  "fused": engine.optimizer.optimizer.defaults.get("fused")}))
 """
 
 
 def test_deepspeed_zero3_takes_the_bf16_config(demo_dir):
+    # the CUDA configuration, optimizer included: torch's fused AdamW, no JIT-built FusedAdam
     cfg = deepspeed_config(parse_args(FLAGS), world=1, bf16=True)
-    cfg["optimizer"]["params"]["torch_adam"] = True  # no fused-Adam build on the CPU
     env = cpu_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29655")
     res = subprocess.run([sys.executable, "-c", ZERO3_BF16, str(demo_dir / "model"), json.dumps(cfg)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
@@ -51,6 +53,15 @@ def test_deepspeed_zero3_takes_the_bf16_config(demo_dir):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["types"] == ["torch.bfloat16", "torch.float32"]
     assert out["accum"] == "torch.float32" and out["comm"] == "torch.float32" and out["grad_norm"] > 0
+    assert out["optimizer"] == "AdamW" and out["fused"] is True
+
+
+def test_optimizer_offload_keeps_deepspeeds_cpu_adam(tmp_path):
+    ds = json.loads((ROOT / "ds_config.json").read_text())
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    cfg = deepspeed_config(parse_args([*FLAGS, "--ds-config", str(tmp_path / "ds.json")]), world=1, bf16=True)
+    assert "torch_adam" not in cfg["optimizer"]["params"] and "fused" not in cfg["optimizer"]["params"]
 
 
 def test_warmup_first_update_has_a_learning_rate():
