@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter",
@@ -64,7 +65,8 @@ def record_engines() -> None:
         core = llm.llm_engine.engine_core.engine_core  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         info = {"backend": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
                 "executor": type(core.model_executor).__name__, "rank": rank, "local_rank": local_rank,
-                "world": dist.get_world_size()}
+                "world": dist.get_world_size(), "device": str(core.model_executor.driver_worker.worker.device),
+                "current_device": f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"}
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"probe_rank{rank}.json").write_text(json.dumps(info))

@@ -1,18 +1,26 @@
 """GPU acceptance check: the CUDA path end to end in a few minutes, with no model hub. Skipped
-without CUDA. On a machine with a GPU (after `pip install -r requirements.txt pytest`):
+without CUDA. On a bare machine with a GPU, `bash tests/gpu_check.sh` installs requirements.txt
+into a venv and runs this file; with the stack installed:
 
     python -m pytest -q -s tests/test_gpu.py
 
+Every run goes through tests/collective_probe.py (NCCL's own rule, plus the project's collectives
+through train_grpo.all_reduce) and records each rank's engine: the external-launcher executor on
+cuda:LOCAL_RANK.
 1. The demo policy, 3 GRPO steps on one GPU through train_grpo.py as users run it (bf16 weights
-   with fp32 gradient accumulation, vLLM sleeping at level 2 during the update and woken for
-   the weight sync): the weights move, and vLLM's greedy output after the last sync equals
-   transformers' greedy output of the exported checkpoint.
-2. A random model of Qwen2.5-0.5B's shapes (24 layers, hidden 896, vocabulary 151,936, tied
-   embeddings), 3 steps on MATH-500-length prompts: the run completes with finite metrics; the
-   peak GPU memory and each phase's seconds are printed.
+   with fp32 gradient accumulation, torch's fused AdamW, vLLM sleeping at level 2 during the
+   update and woken for the weight sync), with its tied lm_head and with an untied copy: the
+   weights move, and vLLM's greedy output after the last sync equals transformers' greedy output
+   of the exported checkpoint.
+2. A random model of Qwen2.5-0.5B's shapes (24 layers, hidden 896, vocabulary 151,936) with an
+   untied lm_head, gradient checkpointing and a KL term (a reference engine) together, 3 steps on
+   MATH-500-length prompts: the run completes with finite metrics; the peak GPU memory and each
+   phase's seconds are printed.
+3. With 2 GPUs or more: the demo on 2 ranks, each engine on its own GPU.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,16 +29,25 @@ import pytest
 import torch
 from conftest import BENCHMARKS, ROOT
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU check needs a CUDA device")
+from train_grpo import DEMO_DEFAULTS
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU check needs a CUDA device")
 
 PHASES = ("rollout", "reward", "logprobs", "update", "sync")
+# the demo's settings as flags, so that a copy of the demo policy trains as `--model demo` does
+DEMO = [x for k, v in DEMO_DEFAULTS.items() if k not in ("steps", "eval_interval", "save_interval", "output_dir")
+        for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def train(out, *flags) -> list[dict]:
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_port", "29671",
-           "train_grpo.py", "--output-dir", str(out), *flags]
+def train(out, *flags, gpus: int = 1) -> list[dict]:
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(gpus), "--master_port", "29671",
+           "tests/collective_probe.py", "--output-dir", str(out), *flags]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    probes = [json.loads((out / f"probe_rank{r}.json").read_text()) for r in range(gpus)]
+    assert [p["executor"] for p in probes] == ["ExecutorWithExternalLauncher"] * gpus
+    # each engine on its own GPU, and each rank's current device still its own
+    assert [p["device"] for p in probes] == [p["current_device"] for p in probes] == [f"cuda:{r}" for r in range(gpus)]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -58,11 +75,16 @@ def hf_greedy(model_dir, prompts: list[str], max_new_tokens: int) -> list[str]:
     return texts
 
 
-def test_demo_policy_on_one_gpu(demo_dir, tmp_path):
+@needs_cuda
+@pytest.mark.parametrize("head", ["tied", "untied"])
+def test_demo_policy_on_one_gpu(head, demo_dir, tmp_path):
+    from test_weight_sync import untied_copy
+
+    model = "demo" if head == "tied" else str(untied_copy(demo_dir / "model", tmp_path / "untied"))
     out = tmp_path / "demo"
-    metrics = train(out, "--model", "demo", "--steps", "3", "--eval-interval", "3", "--eval-limit", "64",
+    metrics = train(out, "--model", model, *DEMO, "--steps", "3", "--eval-interval", "3", "--eval-limit", "64",
                     "--save-interval", "3", "--lr-warmup-steps", "1")
-    report("demo policy", metrics)
+    report(f"demo policy ({head} lm_head)", metrics)
     assert all(torch.isfinite(torch.tensor(v)) for m in metrics for v in m.values())
     ckpt = out / "checkpoints" / "step_000003"
     evals = [json.loads(x) for x in (out / "eval" / "step_000003.jsonl").read_text().splitlines()]
@@ -71,10 +93,20 @@ def test_demo_policy_on_one_gpu(demo_dir, tmp_path):
     same = sum(e["greedy"] == t for e, t in zip(evals, trained))
     print(f"[gpu check] vLLM after sync vs transformers on the export: {same}/{len(evals)} greedy outputs equal")
     assert same >= 0.95 * len(evals)  # bf16 kernels differ between the two engines: rare near-ties may flip
-    initial = hf_greedy(demo_dir / "model", [prompts[e["id"]] for e in evals], 12)
+    initial = hf_greedy(model if head == "untied" else demo_dir / "model", [prompts[e["id"]] for e in evals], 12)
     assert trained != initial
 
 
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_demo_policy_on_two_gpus(tmp_path):
+    metrics = train(tmp_path / "demo2", "--model", "demo", *DEMO, "--steps", "3", "--eval-interval", "3",
+                    "--eval-limit", "64", "--save-interval", "3", gpus=2)
+    report("demo policy, 2 GPUs", metrics)
+    assert all(torch.isfinite(torch.tensor(v)) for m in metrics for v in m.values())
+
+
+@needs_cuda
 def test_qwen25_05b_shapes_on_one_gpu(demo_dir, tmp_path):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -83,7 +115,7 @@ def test_qwen25_05b_shapes_on_one_gpu(demo_dir, tmp_path):
     tok.add_tokens([f"<r{i}>" for i in range(151_936 - len(tok))])  # every sampled id decodes
     cfg = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                      rope_theta=1_000_000.0, tie_word_embeddings=True)
+                      rope_theta=1_000_000.0, tie_word_embeddings=False)
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
@@ -91,10 +123,20 @@ def test_qwen25_05b_shapes_on_one_gpu(demo_dir, tmp_path):
     metrics = train(out, "--model", str(model_dir), "--dataset", str(BENCHMARKS / "math500.jsonl"),
                     "--template", "plain", "--max-prompt-len", "512", "--max-response-len", "256", "--steps", "3",
                     "--prompts-per-step", "32", "--group-size", "8", "--minibatches", "2", "--micro-batch-size", "8",
-                    "--eval-interval", "100", "--save-interval", "100", "--lr", "1e-6")
-    report("Qwen2.5-0.5B shapes", metrics)
+                    "--eval-interval", "100", "--save-interval", "100", "--lr", "1e-6", "--gradient-checkpointing",
+                    "--kl-coef", "0.001")
+    report("Qwen2.5-0.5B shapes, untied lm_head, gradient checkpointing, KL", metrics)
     assert [m["step"] for m in metrics] == [1, 2, 3]  # no held-out set: no step-0 row
     assert all(torch.isfinite(torch.tensor(v)) for m in metrics for v in m.values())
+    assert all(m["loss/ref_kl"] >= 0 for m in metrics)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the script on a machine without CUDA")
+def test_gpu_check_script_skips_cleanly_without_cuda(tmp_path):
+    env = {"PATH": os.environ["PATH"], "GPU_CHECK_VENV": str(tmp_path / "venv")}
+    res = subprocess.run(["bash", "tests/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "skipped: no CUDA device" in res.stdout, res.stdout + res.stderr
+    assert not (tmp_path / "venv").exists()  # nothing installed
 
 
 if __name__ == "__main__":

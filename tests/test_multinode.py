@@ -61,6 +61,7 @@ def test_engines_are_built_by_the_external_launcher_on_their_local_rank(runs):
         assert [p["backend"] for p in probes] == ["external_launcher"] * 2
         assert [p["executor"] for p in probes] == ["ExecutorWithExternalLauncher"] * 2
         assert [p["local_rank"] for p in probes] == local_ranks and [p["world"] for p in probes] == [2, 2]
+        assert [p["device"] for p in probes] == ["cpu", "cpu"]
 
 
 def test_two_nodes_resume_from_their_checkpoint_and_only_rank_0_logs(runs):
