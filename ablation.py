@@ -53,13 +53,29 @@ def main() -> None:
     import torch
 
     cuda = torch.cuda.is_available()
-    nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() if cuda else 2)
     out = Path(args.out or f"runs/ablation-{Path(args.model).name}")
     from data.demo import TASKS
 
     offline = args.model in TASKS
     eval_args = shlex.split(args.eval_args if args.eval_args is not None else LAB_EVAL if offline else "--n 8")
     env = dict(os.environ, **({} if cuda else {"DS_ACCELERATOR": "cpu"}))
+    if nproc < 1:
+        p.error(f"--nproc must be at least 1 (got {nproc})")
+    # every run's and the evaluation's arguments checked before the first run starts (argparse
+    # errors exit here with their own one-line message)
+    import evaluate
+    import train_grpo
+
+    try:
+        for agg in args.aggs:
+            trial = train_grpo.parse_args(["--model", args.model, "--agg", agg, "--seed", str(args.seeds[0]),
+                                           "--output-dir", str(out / "check"), "--eval-dataset", "", *train_extra])
+            train_grpo.check_args(trial, nproc)
+            train_grpo.deepspeed_config(trial, nproc)
+        evaluate.parse_args(["--run", str(out), *eval_args])
+    except ValueError as e:
+        sys.exit(f"ablation.py: error: {e}")
     out.mkdir(parents=True, exist_ok=True)
 
     t_all, runs = time.time(), []

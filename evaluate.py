@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-tokens", type=int, default=3072)
     p.add_argument("--max-model-len", type=int, default=None, help="default: prompt + max tokens fit the model")
-    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=None,
@@ -63,8 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", action="store_true", help="with --run: accuracy and training-dynamics figures")
     args = p.parse_args(argv)
     args.benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    if args.n < 1:
-        p.error("--n must be at least 1")
+    if not args.benchmarks:
+        p.error(f"--benchmarks names none (give comma-separated names or files, e.g. {PAPER_BENCHMARKS})")
+    if args.model is not None and not args.model.strip():
+        p.error("--model is empty (need a checkpoint dir, a hub id, or demo / lab / lab-nogap)")
+    if args.run is not None and not all(r.strip() for r in args.run):
+        p.error("--run names an empty directory")
+    for k in ("n", "max_tokens", "chunk", "tensor_parallel_size", "reward_workers", "limit", "max_model_len"):
+        if getattr(args, k) is not None and getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})"
+                    + ("; omit it to evaluate every problem" if k == "limit" else ""))
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or not 0 < args.gpu_memory <= 1:
+        p.error("--temperature must be >= 0, --top-p in (0, 1] and --gpu-memory in (0, 1]")
     if args.data_parallel_size is None:
         import torch
 
@@ -105,11 +115,19 @@ def benchmark_metrics(scores: list[list[float]], n: int) -> dict[str, float]:
 
 
 def check_checkpoint(path: str) -> None:
+    from safetensors import safe_open
+
     p = Path(path)
     if p.is_dir():
         has_weights = any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
         if not (p / "config.json").exists() or not has_weights:
             raise ValueError(f"{path}: no model weights (config.json and *.safetensors) in this directory")
+        for f in sorted(p.glob("*.safetensors")):  # the header covers the whole file: opening a cut one fails
+            try:
+                with safe_open(str(f), "pt"):
+                    pass
+            except Exception as e:  # safetensors' own error type
+                raise ValueError(f"{f}: damaged weights ({e})") from None
     elif path.startswith((".", "/")) or path.count("/") != 1:
         raise ValueError(f"{path}: no such checkpoint directory")
 
@@ -563,11 +581,14 @@ def main(argv: list[str] | None = None) -> None:
         groups = group_runs(args.run)
         out = Path(args.out or args.run[0])
         out.mkdir(parents=True, exist_ok=True)
-        text = runs_table(per_run, groups, names, args.n)
+        # a later evaluation with other settings replaces the table: it says which settings it holds
+        settings = {**settings_key(args)[1], "benchmarks": ",".join(names)}
+        text = "settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "\n\n" \
+            + runs_table(per_run, groups, names, args.n)
         (out / "eval_table.md").write_text(text + "\n")
-        (out / "eval_table.json").write_text(json.dumps(
-            {label: {run: {str(s): r for s, r in per_run[run].items()} for run in runs}
-             for label, runs in groups.items()}, indent=1))
+        (out / "eval_table.json").write_text(json.dumps({"settings": settings, "runs": {
+            label: {run: {str(s): r for s, r in per_run[run].items()} for run in runs}
+            for label, runs in groups.items()}}, indent=1))
         print(text)
         print(f"[eval] table: {out / 'eval_table.md'}")
         if args.plot:

@@ -28,6 +28,7 @@ import random
 import sys
 import time
 import warnings
+import zipfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -119,7 +120,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace, world: int) -> None:
-    """Fail in one line, before any expensive work, on settings that cannot run."""
+    """Fail in one line, with the rule, before any expensive work, on settings that cannot run."""
+    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    at_least_1 = ["minibatches", "micro_batch_size", "steps", "max_prompt_len", "max_response_len", "logprob_chunk",
+                  "eval_interval", "eval_samples", "eval_limit", "save_interval", "max_bad_steps", "reward_workers"]
+    for k in at_least_1:
+        if getattr(args, k) < 1:
+            raise ValueError(f"{flag(k)} must be at least 1 (got {getattr(args, k)})")
+    for k in ["lr_warmup_steps", "weight_decay", "kl_coef", "keep_last", "clip_eps_high"]:
+        if getattr(args, k) < 0:
+            raise ValueError(f"{flag(k)} must be >= 0 (got {getattr(args, k)})")
+    ranges = {"lr": (args.lr > 0, "> 0"), "temperature": (args.temperature > 0, "> 0 (sampled groups)"),
+              "top_p": (0 < args.top_p <= 1, "in (0, 1]"), "clip_eps_low": (0 <= args.clip_eps_low < 1, "in [0, 1)"),
+              "vllm_gpu_memory": (0 < args.vllm_gpu_memory < 1, "in (0, 1)")}
+    for k, (ok, rule) in ranges.items():
+        if not ok:
+            raise ValueError(f"{flag(k)} must be {rule} (got {getattr(args, k)})")
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: group advantages compare a response with its siblings")
     if args.prompts_per_step < world:
@@ -131,12 +147,15 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise ValueError(
             f"each rank's {per_rank} prompts per step do not split into --minibatches {args.minibatches}"
         )
-    if min(args.micro_batch_size, args.steps, args.max_response_len, args.logprob_chunk) < 1:
-        raise ValueError("--micro-batch-size, --steps, --max-response-len and --logprob-chunk must be >= 1")
+    if not args.model.strip():
+        raise ValueError("--model is empty (need a checkpoint dir, a hub id, or demo / lab / lab-nogap)")
     if args.model not in OFFLINE_DEFAULTS and not os.path.isdir(args.model) and (
         args.model.startswith((".", "/", "~")) or args.model.count("/") != 1
     ):
         raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir or a hub id)")
+    accelerator = os.environ.get("DS_ACCELERATOR")
+    if accelerator is not None and accelerator not in ("cuda", "cpu", "xpu", "npu", "mps", "hpu", "mlu"):
+        raise ValueError(f"DS_ACCELERATOR={accelerator} is not an accelerator DeepSpeed knows (cpu, cuda, ...)")
 
 
 # -----------------------------------------------------------------------------
@@ -602,33 +621,99 @@ def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dic
     dist.barrier()
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint `latest` points at, if it is complete (it always is, unless edited by hand)."""
-    pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    ckpt = root / pointer.read_text().strip()
-    return ckpt if (ckpt / "trainer_state.json").exists() and (ckpt / "state").is_dir() else None
+def checkpoint_problem(ckpt: Path, world: int) -> str | None:
+    """Why `world` ranks cannot resume from `ckpt`, or None when every file it needs is there."""
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        if not isinstance(state, dict) or not {"step", "order", "bad_streak"} <= set(state):
+            return "trainer_state.json lacks step / order / bad_streak"
+    except (OSError, ValueError) as e:
+        return f"trainer_state.json: {first_line(e)}"
+    files = [f for f in (ckpt / "state").glob("*") if f.is_file()]
+    if not files:
+        return "no state/ (pruned by --keep-last, or never written)"
+    ranks = sum(f.name.startswith("rng_rank") for f in files)
+    if ranks != world:
+        return f"written by {ranks} ranks, this launch has {world}: launch it with {ranks}"
+    if sum(f.name.endswith("optim_states.pt") for f in files) != world or \
+            not any(f.name.endswith("model_states.pt") for f in files):
+        return "DeepSpeed's model or optimizer shards are missing from state/"
+    # torch.save writes a zip archive whose directory sits at its end: a truncated file has none
+    damaged = next((f.name for f in sorted(files) if f.suffix == ".pt" and not zipfile.is_zipfile(f)), None)
+    return f"state/{damaged} is damaged (not a complete torch file)" if damaged else None
 
 
-# may differ between the launches of one run
+def resumable_checkpoints(root: Path, world: int) -> list[Path]:
+    """Complete checkpoints of the run, newest first; rank 0 says why it skips any newer one.
+
+    A run directory that has checkpoints but none complete is an error: starting afresh would
+    overwrite its metrics and checkpoints.
+    """
+    found = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+    complete, skipped = [], []
+    for ckpt in found:
+        problem = checkpoint_problem(ckpt, world)
+        if problem is None:
+            complete.append(ckpt)
+        elif not complete:
+            skipped.append(f"{ckpt.name} ({problem})")
+    if found and not complete:
+        raise ValueError(f"{root} holds checkpoints but none can be resumed: {'; '.join(skipped[:3])}; "
+                         "use another --output-dir, or move the run away to start afresh")
+    if skipped and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[grpo] skipping incomplete checkpoint(s): {'; '.join(skipped)}", flush=True)
+    return complete
+
+
+def load_training_state(engine, ckpt: Path, rank: int) -> tuple[dict | None, str | None]:
+    """Model, optimizer, scheduler, RNG and trainer state from `ckpt`: (state, None), or (None, why)."""
+    try:
+        engine.load_checkpoint(str(ckpt), tag="state")
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        set_rng_state(torch.load(ckpt / "state" / f"rng_rank{rank}.pt", weights_only=False))
+        return state, None
+    except Exception as e:  # torch / DeepSpeed / json errors of any type, past checkpoint_problem's checks
+        return None, f"{ckpt.name} cannot be loaded ({type(e).__name__}: {first_line(e)})"
+
+
+def first_line(e: BaseException) -> str:
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+# may differ between the launches of one run (the directory is the run, wherever it is)
 RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
-                    "keep_last", "max_bad_steps"}
+                    "keep_last", "max_bad_steps", "output_dir"}
 
 
-def check_output_dir(args, out_dir: Path) -> Path | None:
-    """The checkpoint to resume from, or None; refuses to mix two different runs in one directory."""
-    latest = latest_checkpoint(out_dir / "checkpoints")
+def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
+    """Checkpoints to resume from, newest first; refuses to mix two runs in one directory.
+
+    args.json is written with a run's checkpoints: only a run that has trained binds its
+    directory, so a launch that failed before its first checkpoint can be corrected.
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--output-dir {out_dir} is a file, not a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--output-dir {out_dir} is not writable ({first_line(e)})") from None
+    checkpoints = resumable_checkpoints(out_dir / "checkpoints", world)
     old_args = out_dir / "args.json"
     if old_args.exists() and not args.resume:
-        old = json.loads(old_args.read_text())
+        try:
+            old = json.loads(old_args.read_text())
+        except ValueError:
+            raise ValueError(f"{old_args} is not valid JSON: repair or remove it") from None
         new = vars(args)
         diff = [k for k in sorted(set(old) | set(new)) if k not in RUN_ARGS_IGNORED and old.get(k) != new.get(k)]
         if diff:
             shown = ", ".join(f"--{k.replace('_', '-')} {old.get(k)} -> {new.get(k)}" for k in diff[:4])
             raise ValueError(f"{out_dir} holds a run with other arguments ({shown}); "
                              "use another --output-dir, or --resume to continue it with these")
-    return latest
+    return checkpoints
 
 
 def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
@@ -666,7 +751,10 @@ def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
     try:
         cfg = json.loads(Path(args.ds_config).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--ds-config {args.ds_config}: {e}") from None
+        raise ValueError(f"--ds-config {args.ds_config}: {first_line(e)}") from None
+    if not isinstance(cfg, dict) or not all(isinstance(cfg.get(k, {}), dict) for k in ("optimizer",
+                                                                                        "zero_optimization")):
+        raise ValueError(f"--ds-config {args.ds_config}: must hold a JSON object, as ds_config.json does")
     per_rank = args.prompts_per_step // world * args.group_size // args.minibatches
     gas = math.ceil(per_rank / args.micro_batch_size)
     sizes = dict(train_micro_batch_size_per_gpu=args.micro_batch_size, gradient_accumulation_steps=gas,
@@ -707,11 +795,23 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_args(args, world)
         ds_config = deepspeed_config(args, world)
-        resume_from = check_output_dir(args, out_dir)
+        checkpoints = check_output_dir(args, out_dir, world)
     except ValueError as e:
         sys.exit(f"train_grpo.py: error: {e}")
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531").items():
-        os.environ.setdefault(k, v)  # plain `python train_grpo.py` runs as one rank
+    done = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] if checkpoints else 0
+    if done >= args.steps:  # a finished run: say so without starting any engine
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[grpo] {out_dir} already holds all {args.steps} steps ({checkpoints[0].name}): nothing to do "
+                  "(raise --steps to train on, or pick another --output-dir)", flush=True)
+        return
+    if "MASTER_PORT" not in os.environ:  # plain `python train_grpo.py` runs as one rank, on a free port
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(k, v)
 
     import deepspeed
     import torch.distributed as dist
@@ -760,11 +860,14 @@ def main(argv: list[str] | None = None) -> None:
 
             sandbox_mode()  # code rewards fail closed without bubblewrap: say so before any engine starts
     except (ValueError, OSError, SandboxUnavailable) as e:
-        sys.exit(f"train_grpo.py: error: {str(e).splitlines()[0]}")
+        sys.exit(f"train_grpo.py: error: {first_line(e)}")
 
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841  (makes from_pretrained load partitioned)
     dtype = torch.bfloat16 if cuda else torch.float32
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    try:
+        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    except Exception as e:  # a damaged or missing weights file, of whatever error type the loader raises
+        sys.exit(f"train_grpo.py: error: cannot load the model from {model_path} ({first_line(e)})")
     if args.gradient_checkpointing or (args.gradient_checkpointing is None and cuda):
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # warm-up over --lr-warmup-steps rollout steps, unless the DeepSpeed config brings its own schedule
@@ -779,23 +882,25 @@ def main(argv: list[str] | None = None) -> None:
         ref_engine = deepspeed.initialize(model=ref, config=ref_cfg)[0]
     llm = make_vllm(model_path, args, rank, local_rank)
 
-    start, order, bad_streak = 0, [], 0
-    if resume_from is not None:
-        engine.load_checkpoint(str(resume_from), tag="state")
-        state = json.loads((resume_from / "trainer_state.json").read_text())
-        start, order, bad_streak = state["step"], state["order"], state["bad_streak"]
-        set_rng_state(torch.load(resume_from / "state" / f"rng_rank{rank}.pt", weights_only=False))
-        sync_weights_to_vllm(engine, llm)
+    start, order, bad_streak, resume_from = 0, [], 0, None
+    for ckpt in checkpoints:  # newest first; an unreadable one falls back to the one before
+        state, error = load_training_state(engine, ckpt, rank)
+        errors = [e for e in all_gather_objects(error) if e]
+        if not errors:
+            start, order, bad_streak, resume_from = state["step"], state["order"], state["bad_streak"], ckpt
+            sync_weights_to_vllm(engine, llm)
+            break
+        if rank == 0:
+            print(f"[grpo] {errors[0]}: " + ("falling back to the previous checkpoint" if ckpt != checkpoints[-1]
+                                             else "no earlier checkpoint"), flush=True)
+    if checkpoints and resume_from is None:
+        sys.exit(f"train_grpo.py: error: no checkpoint of {out_dir / 'checkpoints'} could be loaded; "
+                 "repair the named file, or use another --output-dir")
     if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
               f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}", flush=True)
         if resume_from is not None:
             print(f"[grpo] resuming from {resume_from} (step {start})", flush=True)
-            if start >= args.steps:
-                print(f"[grpo] {out_dir} already holds all {args.steps} steps: nothing to do "
-                      "(raise --steps to train on, or pick another --output-dir)", flush=True)
         logged = (out_dir / "metrics.jsonl").read_text().splitlines() if (out_dir / "metrics.jsonl").exists() else []
         # steps after the checkpoint are redone: drop their log lines (TensorBoard: purge_step)
         (out_dir / "metrics.jsonl").write_text("".join(x + "\n" for x in logged if json.loads(x)["step"] <= start))
@@ -952,6 +1057,8 @@ def main(argv: list[str] | None = None) -> None:
         if step % args.save_interval == 0 or step == args.steps or stop:
             state = {"step": step, "order": order, "bad_streak": bad_streak}
             save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
+            if rank == 0:  # the arguments that trained these checkpoints
+                (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
         if stop:
             dist.barrier()
             sys.exit(f"train_grpo.py: error: {bad_streak} steps in a row had a non-finite loss or gradient "

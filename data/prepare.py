@@ -29,30 +29,32 @@ PREPARED_DIR = Path(__file__).resolve().parent / "prepared"
 # Benchmark copies that ship with the project (sources and licences in its README): found by name offline.
 SHIPPED_DIR = Path(__file__).resolve().parent / "benchmarks"
 
-# name -> Hugging Face (repo, config, split), the file name a local copy goes by, and whether
-# it is a training set (deduplicated by prompt). A hub id of this table loads with its entry.
+# name -> kind, Hugging Face (repo, config, split), the file name a local copy goes by, and
+# whether it is a training set (deduplicated by prompt). A hub id of this table loads with its entry.
 DATASETS: dict[str, dict] = {
     # training sets
-    "dapo17k": {"hf": ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"), "file": "dapo_math_17k_sample.jsonl",
+    "dapo17k": {"kind": "math", "hf": ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"),
+                "file": "dapo_math_17k_sample.jsonl", "train": True},
+    "polaris": {"kind": "math", "hf": ("POLARIS-Project/Polaris-Dataset-53K", None, "train"), "file": "polaris.jsonl",
                 "train": True},
-    "polaris": {"hf": ("POLARIS-Project/Polaris-Dataset-53K", None, "train"), "file": "polaris.jsonl", "train": True},
     # math benchmarks
-    "aime24": {"hf": ("HuggingFaceH4/aime_2024", None, "train"), "file": "aime24.jsonl"},
-    "aime25": {"hf": ("yentinglin/aime_2025", None, "train"), "file": "aime25.jsonl"},
-    "amc23": {"hf": ("math-ai/amc23", None, "test"), "file": "amc23.jsonl"},
-    "math500": {"hf": ("HuggingFaceH4/MATH-500", None, "test"), "file": "math500.jsonl"},
-    "minerva": {"hf": ("math-ai/minervamath", None, "test"), "file": "minerva.jsonl"},
-    "olympiadbench": {"hf": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train"), "file": "olympiadbench.jsonl"},
-    "gsm8k": {"hf": ("openai/gsm8k", "main", "test"), "file": "gsm8k_test.jsonl"},
+    "aime24": {"kind": "math", "hf": ("HuggingFaceH4/aime_2024", None, "train"), "file": "aime24.jsonl"},
+    "aime25": {"kind": "math", "hf": ("yentinglin/aime_2025", None, "train"), "file": "aime25.jsonl"},
+    "amc23": {"kind": "math", "hf": ("math-ai/amc23", None, "test"), "file": "amc23.jsonl"},
+    "math500": {"kind": "math", "hf": ("HuggingFaceH4/MATH-500", None, "test"), "file": "math500.jsonl"},
+    "minerva": {"kind": "math", "hf": ("math-ai/minervamath", None, "test"), "file": "minerva.jsonl"},
+    "olympiadbench": {"kind": "math", "hf": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train"),
+                      "file": "olympiadbench.jsonl"},
+    "gsm8k": {"kind": "math", "hf": ("openai/gsm8k", "main", "test"), "file": "gsm8k_test.jsonl"},
     # code benchmarks
-    "humaneval": {"hf": ("openai/openai_humaneval", None, "test"), "file": "humaneval.jsonl"},
+    "humaneval": {"kind": "code", "hf": ("openai/openai_humaneval", None, "test"), "file": "humaneval.jsonl"},
     # MBPP's test split is task_ids 11-510 (257 of the 427 sanitized problems); a local copy of
     # every split is cut to it, so that `mbpp` means the same 257 problems everywhere.
-    "mbpp": {"hf": ("google-research-datasets/mbpp", "sanitized", "test"), "file": "mbpp_sanitized.jsonl",
-             "task_ids": (11, 510)},
+    "mbpp": {"kind": "code", "hf": ("google-research-datasets/mbpp", "sanitized", "test"),
+             "file": "mbpp_sanitized.jsonl", "task_ids": (11, 510)},
     # LiveCodeBench's hub copy needs its own loader script: prepare it from a JSONL copy
-    # (rllm's format: problem, starter_code, tests) with --from.
-    "livecodebench": {"hf": None, "file": "livecodebench_public.jsonl"},
+    # (rllm's format: problem, starter_code, tests) with --from; a copy of its public tests ships.
+    "livecodebench": {"kind": "code", "hf": None, "file": "livecodebench_public.jsonl"},
 }
 HF_NAMES = {spec["hf"][0]: name for name, spec in DATASETS.items() if spec["hf"]}
 
@@ -205,10 +207,12 @@ def _read_file(path: str):
 
     datasets.disable_progress_bars()
     kind = "parquet" if path.endswith(".parquet") else "json"
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise ValueError(f"dataset {path} is empty")
     try:
         return datasets.load_dataset(kind, data_files=path, split="train")
     except Exception as e:  # datasets wraps parse errors in several exception types
-        raise ValueError(f"cannot read dataset {path}: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"cannot read dataset {path}: {first_line(e)}") from None
 
 
 def _read_hub(repo: str, config: str | None, split: str):
@@ -219,7 +223,11 @@ def _read_hub(repo: str, config: str | None, split: str):
         return datasets.load_dataset(repo, config, split=split)
     except Exception as e:
         raise ValueError(f"cannot load {repo} ({config or 'default'}, {split}) from the Hugging Face hub: "
-                         f"{str(e).splitlines()[0]}") from None
+                         f"{first_line(e)}") from None
+
+
+def first_line(e: BaseException) -> str:
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _is_prepared(row: dict) -> bool:
@@ -246,6 +254,8 @@ def rows_from(raw, source: str, train: bool = False) -> list[dict]:
                         "tests": json.loads(tests) if isinstance(tests, str) else tests})
         else:
             out.append(convert(row, source, i))
+    if not out:
+        raise ValueError(f"{source}: no rows")
     if train:
         out = dedupe(out, source)
     seen: set[str] = set()
@@ -255,6 +265,16 @@ def rows_from(raw, source: str, train: bool = False) -> list[dict]:
                              "(evaluation keys results by id)")
         seen.add(row["id"])
     return out
+
+
+def _check_kind(rows: list[dict], name: str, origin) -> list[dict]:
+    """Rows of a DATASETS name must be of its kind: e.g. HumanEval's file prepared as math500 is refused."""
+    want = DATASETS[name]["kind"] if name in DATASETS else None
+    wrong = sum(r["kind"] != want for r in rows) if want else 0
+    if wrong:
+        raise ValueError(f"{origin}: {wrong} of {len(rows)} rows are not {want} problems, but {name} is a {want} "
+                         "dataset: is it the right file?")
+    return rows
 
 
 def _task_range(rows: list[dict], spec: dict) -> list[dict]:
@@ -293,7 +313,7 @@ def load_rows(spec: str, data_dir: str | None = None, train: bool | None = None)
         if path is None and entry["hf"] is None:
             raise ValueError(f"{name}: no local copy found ({', '.join(map(str, local))}); prepare it with --from")
         raw = _read_file(str(path)) if path else _read_hub(*entry["hf"])
-        return _task_range(rows_from(raw, name, dedup), entry)
+        return _check_kind(_task_range(rows_from(raw, name, dedup), entry), name, path or entry["hf"][0])
     if os.path.exists(spec):
         return rows_from(_read_file(spec), Path(spec).stem, bool(train))
     if spec.count("/") == 1 and not spec.startswith((".", "/")):  # another hub dataset: its train split
@@ -315,7 +335,8 @@ def main() -> None:
             if args.source and os.path.isfile(args.source):
                 raw = _read_file(args.source)
                 entry = DATASETS.get(name, {})
-                rows = _task_range(rows_from(raw, name, entry.get("train", False)), entry)
+                rows = _check_kind(_task_range(rows_from(raw, name, entry.get("train", False)), entry), name,
+                                   args.source)
             else:
                 raw = None
                 rows = load_rows(name, data_dir=args.source)

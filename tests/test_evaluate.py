@@ -87,6 +87,7 @@ def test_evaluate_run_end_to_end(fake_run):
     assert initial["results"] == out  # the same weights and seeds as the checkpoints here
 
     table = (fake_run / "eval_table.md").read_text()
+    assert table.startswith("settings: template=plain, n=3,") and "benchmarks=math500,humaneval,demo-test" in table
     assert "| initial policy | - | 0 |" in table
     assert "| peak | 20 |" in table and "| last | 20 |" in table and "demo-balanced" in table
     assert "| benchmark" in res.stdout and "average" in res.stdout
