@@ -42,6 +42,7 @@ def assert_same_run(resumed: dict, reference: dict):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-9), step
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_step_resumes_exactly(reference, tmp_path):
     out = tmp_path / "run"
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", "29631",
@@ -64,6 +65,7 @@ def test_sigkill_during_a_step_resumes_exactly(reference, tmp_path):
     assert_same_run(metrics(out), reference)
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(reference, tmp_path):
     out = tmp_path / "run"
     res = train(out, env=cpu_env(GRPO_FAULT_KILL_IN_SAVE="4"), port=29633)
@@ -78,6 +80,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(reference, tmp_path
     assert not (ckpts / "step_000004.tmp").exists() and (ckpts / "latest").read_text() == "step_000005"
 
 
+@pytest.mark.slow
 def test_keep_last_prunes_full_states_but_not_exports(tmp_path, demo_dir):
     out = tmp_path / "run"
     res = train(out, "--save-interval", "1", "--steps", "3", "--keep-last", "2", port=29635)
@@ -87,6 +90,7 @@ def test_keep_last_prunes_full_states_but_not_exports(tmp_path, demo_dir):
     assert not (ckpts / "step_000001" / "state").exists() and (ckpts / "step_000001" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_non_finite_step_is_skipped_and_too_many_stop_the_run(tmp_path, demo_dir):
     out = tmp_path / "run"
     res = train(out, "--save-interval", "1", "--max-bad-steps", "1", env=cpu_env(GRPO_FAULT_NAN_STEP="2"),
@@ -104,6 +108,7 @@ def test_non_finite_step_is_skipped_and_too_many_stop_the_run(tmp_path, demo_dir
     assert not all(torch.equal(before[k], initial[k].to(before[k].dtype)) for k in before)  # step 1 did train
 
 
+@pytest.mark.slow
 def test_degenerate_batches(tmp_path, demo_dir):
     # every reference answer is unreachable: all rewards 0, no group has reward variance
     rows = [json.loads(x) for x in (demo_dir / "train.jsonl").read_text().splitlines()[:40]]

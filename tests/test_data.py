@@ -5,6 +5,7 @@ import json
 import pytest
 from conftest import BENCHMARKS
 
+from data import prepare
 from data.prepare import DATASETS, STDIN_INSTRUCTION, convert, dedupe, load_rows
 from data.templates import CODE_INSTRUCTION, DAPO_PREFIX, DAPO_SUFFIX, TEMPLATES, render_prompt
 from rewards import compute_rewards
@@ -88,13 +89,23 @@ def test_hub_ids_load_with_their_own_config_and_split(name, monkeypatch):
     repo, config, split = HUB_IDS[name]
     calls = []
 
-    def load_dataset(path, name=None, split=None, **kw):
-        calls.append((path, name, split))
-        return datasets.Dataset.from_list([{"id": "a", "problem": "What is 1+1?", "answer": "2"}])
+    real = datasets.load_dataset
 
+    def load_dataset(path, name=None, split=None, **kw):
+        if path in ("json", "parquet"):  # a local file
+            return real(path, name, split=split, **kw)
+        calls.append((path, name, split))
+        row = {"id": "a", "problem": "What is 1+1?", "answer": "2"} if DATASETS[name_]["kind"] == "math" else \
+            {"task_id": "a", "prompt": "def f():\n", "test": "def check(c):\n    pass\n", "entry_point": "f"}
+        return datasets.Dataset.from_list([row])
+
+    name_ = name
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    assert len(load_rows(repo)) == 1 and len(load_rows(name)) == 1
-    assert calls == [(repo, config, split)] * 2
+    assert len(load_rows(repo)) == 1  # a hub id always means the hub, with its entry's config and split
+    assert calls == [(repo, config, split)]
+    shipped = (prepare.SHIPPED_DIR / DATASETS[name]["file"]).exists() and not DATASETS[name].get("train")
+    rows = load_rows(name)  # a name: the copy that ships with the project, else the hub
+    assert calls == [(repo, config, split)] * (1 if shipped else 2) and (len(rows) > 1) == shipped
 
 
 def test_local_mbpp_is_the_test_split_like_the_hub():

@@ -65,6 +65,7 @@ def fake_run(demo_dir, tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_evaluate_run_end_to_end(fake_run):
     res = evaluate("--run", str(fake_run), "--plot", *COMMON)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -130,6 +131,7 @@ def test_seeds_of_one_setting_are_averaged(tmp_path):
     assert labels == {"lab seq", "lab token", "lab-nogap seq"}
 
 
+@pytest.mark.slow
 def test_killed_evaluation_resumes(fake_run, demo_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(demo_dir / "model", ckpt, ignore=NO_EVAL)
@@ -178,6 +180,7 @@ def test_code_benchmark_without_bubblewrap_fails_in_one_line(demo_dir, tmp_path,
     assert "evaluate.py: error: code rewards run model-written code and need bubblewrap" in res.stderr
 
 
+@pytest.mark.slow
 def test_data_parallel_shards_merge_to_the_one_process_result(demo_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     for d in (one, two):

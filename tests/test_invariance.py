@@ -4,6 +4,8 @@ import pytest
 import torch
 from conftest import deepspeed_run
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def deltas(demo_dir, tmp_path_factory):

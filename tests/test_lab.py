@@ -85,6 +85,7 @@ def ablation(tmp_path_factory):
     return out, cmd, res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agg", ["seq", "token", "balanced"])
 def test_lab_lengths_vary_and_failures_are_longer(ablation, agg):
     steps = metrics(ablation[0] / f"lab-{agg}-s1")
@@ -94,6 +95,7 @@ def test_lab_lengths_vary_and_failures_are_longer(ablation, agg):
     assert mean("length/pos_neg_gap") >= 0.2 * mean("length/mean")
 
 
+@pytest.mark.slow
 def test_lab_pg_loss_is_zero_on_policy_only_for_seq_and_balanced(ablation):
     """On-policy with binary rewards, seq and balanced weigh the positive and negative advantages
     of a group equally, so the surrogate is 0; token weighs the longer failures more (Figure 2)."""
@@ -102,6 +104,7 @@ def test_lab_pg_loss_is_zero_on_policy_only_for_seq_and_balanced(ablation):
     assert sum(abs(x) for x in pg["token"]) / len(pg["token"]) >= 0.02, pg
 
 
+@pytest.mark.slow
 def test_ablation_writes_the_table_and_figures_and_resumes(ablation):
     out, cmd, res = ablation
     table = (out / "eval_table.md").read_text()
@@ -118,6 +121,7 @@ def test_ablation_writes_the_table_and_figures_and_resumes(ablation):
     assert "already evaluated" in (out / "evaluate.log").read_text()
 
 
+@pytest.mark.slow
 def test_lab_nogap_keeps_the_lengths_without_the_gap(tmp_path):
     """The control at its defaults, with 256 prompts a step for a precise gap (its standard error
     over 32 groups is ~0.8 tokens, against a bound of ~1)."""

@@ -43,6 +43,7 @@ print(json.dumps({"types": [str(t) for t in engine.get_data_types()], "comm": st
 """
 
 
+@pytest.mark.slow
 def test_deepspeed_zero3_takes_the_bf16_config(demo_dir):
     # the CUDA configuration, optimizer included: torch's fused AdamW, no JIT-built FusedAdam
     cfg = deepspeed_config(parse_args(FLAGS), world=1, bf16=True)

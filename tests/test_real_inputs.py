@@ -28,6 +28,7 @@ def mixed_dataset(path, tokenizer, max_len: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_train_on_real_length_prompts(long_demo_model, tmp_path):
     from transformers import AutoTokenizer
 
@@ -60,6 +61,7 @@ def test_train_on_real_length_prompts(long_demo_model, tmp_path):
     assert {e["id"] for e in evals} >= {r["id"] for r in rows[:16]} - {None}
 
 
+@pytest.mark.slow
 def test_evaluate_six_benchmarks_in_one_call(long_demo_model):
     names = "math500,aime24,amc23,humaneval,mbpp,livecodebench"
     res = subprocess.run([sys.executable, "evaluate.py", "--model", str(long_demo_model), "--benchmarks", names,

@@ -32,6 +32,7 @@ def hf_greedy(model_dir, prompts, max_new_tokens):
     return texts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agg,minibatches", [("seq", 1), ("token", 2), ("balanced", 2)])
 def test_two_rank_run(agg, minibatches, demo_dir, tmp_path):
     out = tmp_path / "run"
