@@ -81,13 +81,27 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(reference, tmp_path
 
 
 @pytest.mark.slow
-def test_keep_last_prunes_full_states_but_not_exports(tmp_path, demo_dir):
+def test_keep_last_prunes_states_and_resume_skips_a_damaged_checkpoint(tmp_path, demo_dir):
     out = tmp_path / "run"
     res = train(out, "--save-interval", "1", "--steps", "3", "--keep-last", "2", port=29635)
     assert res.returncode == 0, res.stderr[-3000:]
     ckpts = out / "checkpoints"
     assert [p.name for p in sorted(ckpts.glob("step_*/state"))] == ["state", "state"]
     assert not (ckpts / "step_000001" / "state").exists() and (ckpts / "step_000001" / "model.safetensors").exists()
+
+    # The newest checkpoint damaged (a cut optimizer shard of rank 1) and `latest` emptied: the same
+    # command resumes from the one before, names what it skipped, and redoes step 3 only.
+    before = metrics(out)
+    shard = next((ckpts / "step_000003" / "state").glob("*rank_1_*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    (ckpts / "latest").write_text("")
+    res = train(out, "--save-interval", "1", "--steps", "3", "--keep-last", "2", port=29637)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"skipping incomplete checkpoint(s): step_000003 (state/{shard.name} is damaged" in res.stdout
+    assert "resuming from" in res.stdout and "step_000002 (step 2)" in res.stdout
+    after = metrics(out)
+    assert sorted(after) == sorted(before) == [0, 1, 2, 3] and all(after[s] == before[s] for s in (0, 1, 2))
+    assert after[3] == pytest.approx(before[3], rel=1e-6, abs=1e-9)  # step 3 redone exactly
 
 
 @pytest.mark.slow
