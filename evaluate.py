@@ -542,7 +542,9 @@ def main(argv: list[str] | None = None) -> None:
             for kind in {r["kind"] for r in rows}:
                 render_prompt("", args.template, first, kind)
     except (ValueError, RuntimeError, OSError) as e:
-        sys.exit(f"evaluate.py: error: {str(e).splitlines()[0]}")
+        from data.prepare import first_line
+
+        sys.exit(f"evaluate.py: error: {first_line(e)}")
 
     per_run, results, pending = {}, {}, []  # results and pending by checkpoint
     for ckpts in jobs.values():

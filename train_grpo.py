@@ -26,6 +26,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 import warnings
 import zipfile
@@ -51,6 +52,7 @@ import torch.utils.checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+from data.prepare import first_line  # noqa: E402  (an error's first non-empty line, for one-line messages)
 
 # -----------------------------------------------------------------------------
 # Hyperparameters. Defaults follow the DAPO recipe (clip-higher 0.2/0.28, lr 1e-6 with
@@ -392,9 +394,12 @@ def make_vllm(model_path: str, args, rank: int, local_rank: int):
     # every rank's engine on cuda:0 and move the rank's current device there.
     llm = LLM(model=model_path, max_model_len=max_len, seed=args.seed + rank, tensor_parallel_size=1,
               distributed_executor_backend="external_launcher", use_tqdm_on_load=False, **kw)
-    if cuda and torch.cuda.current_device() != local_rank:
-        sys.exit(f"train_grpo.py: error: rank {rank}: vLLM's engine moved the current CUDA device to "
-                 f"cuda:{torch.cuda.current_device()}, not cuda:{local_rank} (LOCAL_RANK)")
+    moved = cuda and torch.cuda.current_device() != local_rank
+    errors = [e for e in all_gather_objects(
+        f"rank {rank}: vLLM's engine moved the current CUDA device to cuda:{torch.cuda.current_device()}, "
+        f"not cuda:{local_rank} (LOCAL_RANK)" if moved else None) if e]
+    if errors:  # every rank stops, not just the one that moved
+        sys.exit(f"train_grpo.py: error: {errors[0]}")
     return llm
 
 
@@ -635,9 +640,14 @@ def checkpoint_problem(ckpt: Path, world: int) -> str | None:
     ranks = sum(f.name.startswith("rng_rank") for f in files)
     if ranks != world:
         return f"written by {ranks} ranks, this launch has {world}: launch it with {ranks}"
-    if sum(f.name.endswith("optim_states.pt") for f in files) != world or \
-            not any(f.name.endswith("model_states.pt") for f in files):
-        return "DeepSpeed's model or optimizer shards are missing from state/"
+    names = {f.name for f in files}
+    for r in range(world):  # what each rank reads: DeepSpeed's ZeRO-3 shards of that rank, and its RNG states
+        shard = f"zero_pp_rank_{r}_mp_rank_00"
+        optim = {f"{shard}_optim_states.pt", f"bf16_{shard}_optim_states.pt"}  # fp32 / bf16 runs
+        missing = [n for n in (f"rng_rank{r}.pt", f"{shard}_model_states.pt") if n not in names] + \
+            ([] if optim & names else [f"{shard}_optim_states.pt"])
+        if missing:
+            return f"state/{missing[0]} is missing"
     # torch.save writes a zip archive whose directory sits at its end: a truncated file has none
     damaged = next((f.name for f in sorted(files) if f.suffix == ".pt" and not zipfile.is_zipfile(f)), None)
     return f"state/{damaged} is damaged (not a complete torch file)" if damaged else None
@@ -665,19 +675,27 @@ def resumable_checkpoints(root: Path, world: int) -> list[Path]:
     return complete
 
 
-def load_training_state(engine, ckpt: Path, rank: int) -> tuple[dict | None, str | None]:
-    """Model, optimizer, scheduler, RNG and trainer state from `ckpt`: (state, None), or (None, why)."""
-    try:
-        engine.load_checkpoint(str(ckpt), tag="state")
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        set_rng_state(torch.load(ckpt / "state" / f"rng_rank{rank}.pt", weights_only=False))
-        return state, None
-    except Exception as e:  # torch / DeepSpeed / json errors of any type, past checkpoint_problem's checks
-        return None, f"{ckpt.name} cannot be loaded ({type(e).__name__}: {first_line(e)})"
+def damaged_shard(ckpt: Path, rank: int) -> str | None:
+    """A file of this rank's share of `ckpt` whose contents fail their CRC, or None. Each rank reads
+    its own files once (torch.save writes uncompressed zip archives with a CRC per record), so every
+    rank knows before DeepSpeed's load, whose collectives a rank that fails half-way would desert."""
+    for f in sorted((ckpt / "state").glob(f"*rank{rank}.pt")) + sorted((ckpt / "state").glob(f"*_rank_{rank}_*.pt")):
+        try:
+            with zipfile.ZipFile(f) as z:
+                if z.testzip() is not None:
+                    return f"{ckpt.name}/state/{f.name} is damaged"
+        except (OSError, zipfile.BadZipFile) as e:
+            return f"{ckpt.name}/state/{f.name} is damaged ({first_line(e)})"
+    return None
 
 
-def first_line(e: BaseException) -> str:
-    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+def load_training_state(engine, ckpt: Path, rank: int) -> dict:
+    """Model, optimizer, scheduler, RNG and trainer state from `ckpt` (checked by damaged_shard first)."""
+    load_path, _ = engine.load_checkpoint(str(ckpt), tag="state")
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}/state")
+    set_rng_state(torch.load(ckpt / "state" / f"rng_rank{rank}.pt", weights_only=False))
+    return json.loads((ckpt / "trainer_state.json").read_text())
 
 
 # may differ between the launches of one run (the directory is the run, wherever it is)
@@ -695,9 +713,9 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
         raise ValueError(f"--output-dir {out_dir} is a file, not a directory")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".write-test-")  # unique across nodes
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise ValueError(f"--output-dir {out_dir} is not writable ({first_line(e)})") from None
     checkpoints = resumable_checkpoints(out_dir / "checkpoints", world)
@@ -798,12 +816,6 @@ def main(argv: list[str] | None = None) -> None:
         checkpoints = check_output_dir(args, out_dir, world)
     except ValueError as e:
         sys.exit(f"train_grpo.py: error: {e}")
-    done = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] if checkpoints else 0
-    if done >= args.steps:  # a finished run: say so without starting any engine
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"[grpo] {out_dir} already holds all {args.steps} steps ({checkpoints[0].name}): nothing to do "
-                  "(raise --steps to train on, or pick another --output-dir)", flush=True)
-        return
     if "MASTER_PORT" not in os.environ:  # plain `python train_grpo.py` runs as one rank, on a free port
         import socket
 
@@ -836,6 +848,24 @@ def main(argv: list[str] | None = None) -> None:
         pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
     transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
     rank = dist.get_rank()
+    # Every rank must see the same run: the output directory is shared between nodes.
+    token = all_gather_objects(f".shared-{os.urandom(8).hex()}" if rank == 0 else None)[0]
+    if rank == 0:
+        (out_dir / token).write_text("")
+    dist.barrier()
+    seen = all_gather_objects(((out_dir / token).exists(), [c.name for c in checkpoints]))
+    dist.barrier()
+    if rank == 0:
+        (out_dir / token).unlink()
+    if not all(s == seen[0] for s in seen) or not seen[0][0]:
+        sys.exit(f"train_grpo.py: error: rank {rank}: the ranks do not see the same {out_dir} "
+                 "(--output-dir must be one directory shared by every node)")
+    done = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] if checkpoints else 0
+    if done >= args.steps:  # a finished run: say so without starting any engine
+        if rank == 0:
+            print(f"[grpo] {out_dir} already holds all {args.steps} steps ({checkpoints[0].name}): nothing to do "
+                  "(raise --steps to train on, or pick another --output-dir)", flush=True)
+        return
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed)
@@ -883,10 +913,10 @@ def main(argv: list[str] | None = None) -> None:
     llm = make_vllm(model_path, args, rank, local_rank)
 
     start, order, bad_streak, resume_from = 0, [], 0, None
-    for ckpt in checkpoints:  # newest first; an unreadable one falls back to the one before
-        state, error = load_training_state(engine, ckpt, rank)
-        errors = [e for e in all_gather_objects(error) if e]
+    for ckpt in checkpoints:  # newest first; one whose files fail their CRC on any rank: the one before
+        errors = [e for e in all_gather_objects(damaged_shard(ckpt, rank)) if e]
         if not errors:
+            state = load_training_state(engine, ckpt, rank)
             start, order, bad_streak, resume_from = state["step"], state["order"], state["bad_streak"], ckpt
             sync_weights_to_vllm(engine, llm)
             break
@@ -896,6 +926,11 @@ def main(argv: list[str] | None = None) -> None:
     if checkpoints and resume_from is None:
         sys.exit(f"train_grpo.py: error: no checkpoint of {out_dir / 'checkpoints'} could be loaded; "
                  "repair the named file, or use another --output-dir")
+    if rank == 0 and resume_from is None and (out_dir / "metrics.jsonl").exists():
+        logged = sum(1 for x in (out_dir / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] > 0)
+        if logged:
+            print(f"[grpo] {out_dir} has {logged} logged steps but no checkpoint: starting afresh over them",
+                  flush=True)
     if rank == 0:
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
               f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}", flush=True)

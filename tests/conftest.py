@@ -17,8 +17,13 @@ def demo_dir() -> Path:
     return ensure_demo()
 
 
+# the environment before any test module imports train_grpo (whose import sets vLLM's variables for
+# this process; a launched trainer must choose its own)
+ENVIRON = dict(os.environ)
+
+
 def cpu_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {k: v for k, v in ENVIRON.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **extra)
     return env
 
