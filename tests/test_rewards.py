@@ -173,7 +173,9 @@ def fenced(code: str) -> str:
 
 def test_humaneval_canonical_solutions_pass_and_wrong_bodies_fail():
     rows = humaneval()
-    tests = [{"test": r["test"], "entry_point": r["entry_point"]} for r in rows]
+    # The prelude (the prompt, as data/prepare.py ships it) gives the tests their helpers (`poly`,
+    # `encode_cyclic`): the check never takes them from the response, which could redefine them.
+    tests = [{"test": r["test"], "entry_point": r["entry_point"], "prelude": r["prompt"]} for r in rows]
     good = compute_rewards([fenced(r["prompt"] + r["canonical_solution"]) for r in rows], tests,
                            ["code"] * len(rows), num_workers=2)
     failed = [r["task_id"] for r, s in zip(rows, good) if s != 1.0]
