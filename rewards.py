@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -372,7 +373,7 @@ class _Link:
 # everything it left running is killed. The expected outputs never enter the sandbox: the runner
 # sends each case's exit code and output back and the comparison happens here.
 _CASE_RUNNER = r"""
-import atexit, runpy, select, signal, time
+import atexit, select, signal, time, types
 channel = os.dup(1)
 inputs = []
 for i in range(params["cases"]):
@@ -388,10 +389,15 @@ if same_user:  # cases run as this user: make this process unreadable to them th
     prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
 
 def run_main():
-    # What the interpreter does with a script: run it, wait for its threads, atexit, flush.
+    # What `python main.py` does: the script as a fresh __main__ module, then the interpreter's exit
+    # steps (wait for its threads, atexit, flush); its exit status.
+    main = types.ModuleType("__main__")
+    main.__file__ = "main.py"
+    sys.modules["__main__"] = main
     code = 0
     try:
-        runpy.run_path("main.py", run_name="__main__")
+        with open("main.py", "rb") as f:
+            exec(compile(f.read(), "main.py", "exec"), main.__dict__)
     except SystemExit as e:
         code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
@@ -674,6 +680,7 @@ class _Remote:
         return lambda *args, **kwargs: self._calls.call([self._id, name], args, kwargs)
 
 
+@functools.cache
 def _server_script() -> str:
     return inspect.getsource(encode_plain) + inspect.getsource(decode_plain) + _CALL_SERVER
 
