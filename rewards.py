@@ -402,6 +402,10 @@ def run_main():
         code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
         code = 1
+        try:
+            sys.excepthook(*sys.exc_info())
+        except BaseException:
+            pass
     try:
         if "threading" in sys.modules:
             sys.modules["threading"]._shutdown()
@@ -625,11 +629,13 @@ class _Disqualified(BaseException):
     `except Exception` cannot swallow it; and recorded, so that a bare `except:` cannot either."""
 
 
-def _reraised(name: str, message: str) -> BaseException:
+def _reraised(name: str, message: str) -> BaseException | None:
     """What the tested code raised, as the builtin exception of that name (tests may expect a
-    ValueError); a StopIteration is not passed on (it would end the check's own loops early),
-    and a name that is no builtin exception becomes a plain Exception."""
+    ValueError); a name that is no builtin exception becomes a plain Exception, a StopIteration
+    too (it would end the check's own loops early); None for SystemExit and the like."""
     cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, BaseException) and not issubclass(cls, Exception):
+        return None
     if not (isinstance(cls, type) and issubclass(cls, Exception)) or issubclass(cls, (StopIteration,
                                                                                       StopAsyncIteration)):
         return Exception(f"{name}: {message}")

@@ -536,7 +536,8 @@ def test_each_case_has_its_own_time_limit_and_output_cap(clean_machine):
 @needs_isolation
 def test_what_a_case_leaves_running_is_gone_before_the_next(clean_machine):
     program = ("import os, sys, time\nif sys.stdin.read().strip() == 'first':\n    if os.fork() == 0:\n"
-               "        os.setsid()\n        time.sleep(0.5)\n        open('/sandbox/late', 'w').write('x')\n"
+               "        os.setsid()\n        os.dup2(os.open('/dev/null', os.O_WRONLY), 1)\n"
+               "        time.sleep(0.5)\n        open('/sandbox/late', 'w').write('x')\n"
                "        os._exit(0)\n    print('first')\nelse:\n    time.sleep(1.0)\n"
                "    print('clean' if not os.path.exists('/sandbox/late') else 'leftover')")
     tests = {"stdio": [{"input": "first", "output": "first"}, {"input": "second", "output": "clean"}]}
