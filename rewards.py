@@ -269,7 +269,7 @@ def _limits(mode: str, timeout: float) -> list[int]:
 @contextlib.contextmanager
 def _sandbox(files: dict[str, str], script: str, params: dict, talk: bool = False):
     """One sandbox start: `script` run by the sandbox's Python in a fresh directory holding `files`;
-    yields the process (its stdout a pipe, its stdin one too if `talk`); killed and removed after."""
+    yields the process (its stdout a pipe, its stdin and stderr too if `talk`); killed and removed after."""
     mode = sandbox_mode()
     workdir = tempfile.mkdtemp(prefix="reward-", dir=_TMP_ROOT)
     proc = None
@@ -286,8 +286,9 @@ def _sandbox(files: dict[str, str], script: str, params: dict, talk: bool = Fals
         else:
             cmd = python
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.PIPE if talk else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        pipe_if_talk = subprocess.PIPE if talk else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=pipe_if_talk, stdout=subprocess.PIPE,
+                                stderr=pipe_if_talk, start_new_session=True)
         yield proc
     finally:
         if proc is not None:
@@ -312,25 +313,43 @@ class _Broken(Exception):
 
 class _Link:
     """The pipes to a sandboxed process, used within a deadline and a byte budget: whatever the
-    process writes (or withholds), the scorer's time and memory stay bounded."""
+    process writes (or withholds), the scorer's time and memory stay bounded. What the program
+    prints (the process's stderr pipe, where there is one) is read, counted and dropped."""
 
     def __init__(self, proc: subprocess.Popen, deadline: float, budget: int):
         self.proc, self.deadline, self.budget, self.buf = proc, deadline, budget, bytearray()
+        self.prints = proc.stderr.fileno() if proc.stderr else None
 
-    def _ready(self, rlist: list, wlist: list) -> None:
-        left = self.deadline - time.monotonic()
-        if left <= 0 or not any(select.select(rlist, wlist, [], left)[:2]):
-            raise _Broken("timed out")
+    def _count(self, n: int) -> None:
+        self.budget -= n
+        if self.budget < 0:
+            raise _Broken("past the output cap")
+
+    def _wait(self, fd: int, write: bool = False) -> None:
+        """Until fd is ready to read (or write), draining the prints meanwhile."""
+        while True:
+            left = self.deadline - time.monotonic()
+            watch = [self.prints] if self.prints is not None else []
+            readable, writable, _ = select.select(watch if write else [fd, *watch], [fd] if write else [], [],
+                                                  max(0.0, left))
+            if not readable and not writable:
+                raise _Broken("timed out")
+            if self.prints in readable:
+                data = os.read(self.prints, 1 << 16)
+                if data:
+                    self._count(len(data))
+                else:
+                    self.prints = None
+            if fd in readable or fd in writable:
+                return
 
     def _fill(self) -> None:
         fd = self.proc.stdout.fileno()
-        self._ready([fd], [])
+        self._wait(fd)
         data = os.read(fd, 1 << 16)
         if not data:
             raise _Broken("closed")
-        self.budget -= len(data)
-        if self.budget < 0:
-            raise _Broken("past the output cap")
+        self._count(len(data))
         self.buf += data
 
     def line(self) -> bytes:
@@ -355,7 +374,7 @@ class _Link:
         os.set_blocking(fd, False)
         view = memoryview(data)
         while view:
-            self._ready([], [fd])
+            self._wait(fd, write=True)
             try:
                 view = view[os.write(fd, view):]
             except BlockingIOError:
@@ -467,6 +486,11 @@ def run_case(fd_in):
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
+            pass
+        try:  # where this runner is the namespace's init (unshare), the orphans are its to reap
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
             pass
     return result
 
@@ -581,8 +605,9 @@ def decode_plain(x: object, depth: int = 0) -> object:
 _CALL_SERVER = r"""
 channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.dup(1)
 null = os.open(os.devnull, os.O_RDWR)
-os.dup2(null, 0)  # the solution's prints and reads must not touch the channel
-os.dup2(null, 1)
+os.dup2(null, 0)  # the solution's reads and prints must not touch the channel: its stdout goes to
+os.dup2(2, 1)  # the scorer's other pipe (counted against the output cap), its stderr nowhere
+os.dup2(null, 2)
 limit(*params["limits"])
 sys.argv = ["main.py"]
 
@@ -665,7 +690,7 @@ class _Calls:
                     error = _reraised(*body)
                 else:
                     error = None
-            except (_Broken, ValueError, TypeError, AttributeError, RecursionError):
+            except Exception:  # _Broken, or a reply no server sends: nothing of it reaches the test
                 error = None
             if error is not None:
                 raise error
