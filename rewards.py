@@ -6,7 +6,10 @@
         with math-verify (fractions/decimals, \\sqrt, intervals, tuples, sets, units, %, ...).
     code_reward(response, tests) -> pass fraction
         last fenced Python block, run against {"test", "entry_point"} (HumanEval/MBPP) or
-        {"stdio": [{"input", "output"}, ...]} (LiveCodeBench/Codeforces) in a sandbox.
+        {"stdio": [{"input", "output"}, ...]} (LiveCodeBench/Codeforces) in a sandbox. Function
+        tests: the solution runs alone in the sandbox behind a call server, the tests' check runs
+        here and gets plain data back (check_function). Stdio: every case of a response in one
+        sandbox start, each its own forked process; outputs compared here (run_cases).
     compute_rewards(responses, references, kinds, num_workers) -> list[float]
         a whole rollout batch in persistent worker processes, order kept; every item bounded
         by a hard timeout (the worker is killed and replaced), so nothing blocks the batch.
