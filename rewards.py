@@ -711,6 +711,8 @@ class _Remote:
         self._calls, self._id = calls, i
 
     def __getattr__(self, name: str):
+        if name.startswith("__"):  # protocols probed by copy, pickle, pprint: not the tested methods
+            raise AttributeError(name)
         return lambda *args, **kwargs: self._calls.call([self._id, name], args, kwargs)
 
 
