@@ -36,6 +36,7 @@ import functools
 import inspect
 import json
 import logging
+import marshal
 import math
 import os
 import re
@@ -250,11 +251,11 @@ def _unshare_prefix() -> list[str]:
     return ["unshare", "--net", "--pid", "--fork", "--kill-child"]
 
 
-# Every program started in the sandbox begins with `limit`: resource limits, then drop root. The
-# parameters arrive as JSON in argv[1] (limits, counts, names: nothing a program could use).
+# Every program started in the sandbox begins with `params` (limits, counts, names: nothing a
+# program could use) and `limit`: resource limits, then drop root. No json in there: its import
+# (with `re`) would be a third of a sandbox's start-up.
 _LIMIT = """
-import json, os, resource, sys
-params = json.loads(sys.argv[1])
+import os, resource, sys
 def limit(cpu, mem, procs, fsize, uid):
     for what, n in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
                     (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)):
@@ -281,7 +282,7 @@ def _sandbox(files: dict[str, str], script: str, params: dict, talk: bool = Fals
         for name, text in files.items():
             with open(os.path.join(workdir, name), "w") as f:
                 f.write(text)
-        python = [_sandbox_python(mode), "-I", "-c", _LIMIT + script, json.dumps({**params, "mode": mode})]
+        python = [_sandbox_python(mode), "-I", "-c", f"params = {dict(params, mode=mode)!r}\n" + _LIMIT + script]
         if mode == "bwrap":
             cmd = _bwrap_prefix(workdir) + python
         elif mode == "unshare":
@@ -548,16 +549,17 @@ def _normalize_output(s: str) -> str:
 # process. Whatever breaks the protocol fails the test.
 
 def encode_plain(x: object, depth: int = 0) -> object:
-    """x as tagged JSON-ready data: None, bool, int, float (inf and nan too), complex, str, bytes, and
-    lists, tuples, sets, frozensets and dicts of these, each keeping its type. An instance of a
-    subclass (Counter, namedtuple, IntEnum) is encoded as its builtin base's value: what it
-    overrides (an __eq__ that is always True) stays behind. ValueError for anything else."""
+    """x as tagged data (lists, ASCII strings, None, booleans): None, bool, int, float (inf and nan
+    too), complex, str, bytes, and lists, tuples, sets, frozensets and dicts of these, each keeping
+    its type. An instance of a subclass (Counter, namedtuple, IntEnum) is encoded as its builtin
+    base's value: what it overrides (an __eq__ that is always True) stays behind. ValueError for
+    anything else."""
     if x is None or type(x) is bool:
         return x
     if depth > 100:
         raise ValueError("nested too deeply")
     if isinstance(x, str):
-        return str.__str__(x)
+        return ["u", str.encode(x, "utf-8", "surrogatepass").hex()]
     if isinstance(x, int):
         return ["i", hex(int.__int__(x))]
     if isinstance(x, float):
@@ -577,11 +579,13 @@ def encode_plain(x: object, depth: int = 0) -> object:
 def decode_plain(x: object, depth: int = 0) -> object:
     """The value encode_plain described, built from builtin types only; ValueError (or TypeError for
     an unhashable key) for anything else, whatever the sender wrote."""
-    if x is None or type(x) is bool or type(x) is str:
+    if x is None or type(x) is bool:
         return x
     if type(x) is not list or len(x) != 2 or type(x[0]) is not str or depth > 100:
         raise ValueError("not an encoded value")
     tag, body = x
+    if tag == "u" and type(body) is str:
+        return bytes.fromhex(body).decode("utf-8", "surrogatepass")
     if tag in ("i", "f", "b") and type(body) is str:
         return int(body, 16) if tag == "i" else float.fromhex(body) if tag == "f" else bytes.fromhex(body)
     if tag == "c" and type(body) is list and [type(v) for v in body] == [str, str]:
@@ -606,6 +610,7 @@ def decode_plain(x: object, depth: int = 0) -> object:
 
 # The call server: limits and the privilege drop first, then the solution, then one reply per call.
 _CALL_SERVER = r"""
+import marshal
 channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.dup(1)
 null = os.open(os.devnull, os.O_RDWR)
 os.dup2(null, 0)  # the solution's reads and prints must not touch the channel: its stdout goes to
@@ -614,10 +619,19 @@ os.dup2(null, 2)
 limit(*params["limits"])
 sys.argv = ["main.py"]
 
-def reply(msg):
-    data = (json.dumps(msg) + "\n").encode()
+def as_json(x):  # encode_plain's output is lists, ASCII strings, None and booleans
+    if x is None or type(x) is bool:
+        return "null" if x is None else "true" if x else "false"
+    return '"' + x + '"' if type(x) is str else "[" + ",".join(map(as_json, x)) + "]"
+
+def reply(kind, body=None):
+    data = ("[" + as_json(kind) + "," + as_json(body) + "]\n").encode()
     while data:
         data = data[os.write(channel_out, data):]
+
+def request():  # the scorer's own data, length-prefixed marshal
+    head = channel_in.read(8)
+    return marshal.loads(channel_in.read(int.from_bytes(head, "little"))) if len(head) == 8 else None
 
 ns = {"__name__": "solution"}
 try:
@@ -627,9 +641,9 @@ try:
 except BaseException:
     os._exit(1)
 objects = []  # instances the entry point made, when it is a class (LiveCodeBench's Solution)
-reply({"ready": True})
-for line in channel_in:
-    target, args, kwargs = json.loads(line)
+reply("ready")
+while (call := request()) is not None:
+    target, args, kwargs = call
     try:
         fn = entry if target is None else getattr(objects[target[0]], target[1])
         result = fn(*decode_plain(args), **decode_plain(kwargs))
@@ -638,16 +652,16 @@ for line in channel_in:
             message = str(e)[:1000]
         except BaseException:
             message = ""
-        reply({"raised": [type(e).__name__, message]})
+        reply("raised", encode_plain((type(e).__name__, message)))
         continue
     try:
-        reply({"value": encode_plain(result)})
+        reply("value", encode_plain(result))
     except (ValueError, RecursionError):
         if target is None and isinstance(entry, type) and type(result) is entry:
             objects.append(result)
-            reply({"object": len(objects) - 1})
+            reply("object", str(len(objects) - 1))
         else:
-            reply({"unplain": type(result).__name__})
+            reply("unplain")
 """
 
 
@@ -682,17 +696,15 @@ class _Calls:
     def call(self, target: list | None, args: tuple, kwargs: dict):
         if not self.broken:
             try:
-                self.link.send((json.dumps([target, encode_plain(args), encode_plain(kwargs)]) + "\n").encode())
-                reply = json.loads(self.link.line())
-                (kind, body), = reply.items()
+                request = marshal.dumps([target, encode_plain(args), encode_plain(kwargs)])
+                self.link.send(len(request).to_bytes(8, "little") + request)
+                kind, body = json.loads(self.link.line())
                 if kind == "value":
                     return decode_plain(body)
-                if kind == "object" and target is None and type(body) is int:
-                    return _Remote(self, body)
-                if kind == "raised" and [type(s) for s in body] == [str, str]:
-                    error = _reraised(*body)
-                else:
-                    error = None
+                if kind == "object" and target is None and type(body) is str and body.isdigit():
+                    return _Remote(self, int(body))
+                name, message = decode_plain(body) if kind == "raised" else (None, None)
+                error = _reraised(name, message) if type(name) is str and type(message) is str else None
             except Exception:  # _Broken, or a reply no server sends: nothing of it reaches the test
                 error = None
             if error is not None:
@@ -729,7 +741,7 @@ def check_function(code: str, tests: dict, timeout: float = CODE_TIMEOUT_S) -> b
     with _sandbox({"main.py": code, "prelude.py": prelude}, _server_script(), params, talk=True) as proc:
         calls = _Calls(_Link(proc, time.monotonic() + timeout, CODE_MAX_OUTPUT_BYTES))
         try:
-            if calls.link.line() != b'{"ready": true}':
+            if calls.link.line() != b'["ready",null]':
                 return False
             # The prelude (the benchmark's own: imports, helpers such as HumanEval's `poly`) runs
             # on both sides: the tests use its helpers from here, never the solution's versions.

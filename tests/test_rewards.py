@@ -422,7 +422,7 @@ def test_subclasses_cross_as_their_builtin_value_and_anything_else_not_at_all():
         rewards.encode_plain(deep)
 
 
-@pytest.mark.parametrize("message", [1, 1.5, {"i": "1"}, ["i", 1], ["x", "1"], ["l", "ab"], ["d", [[1]]],
+@pytest.mark.parametrize("message", [1, 1.5, "raw", {"i": "1"}, ["i", 1], ["x", "1"], ["l", "ab"], ["d", [[1]]],
                                      ["s", [["l", []]]], ["c", ["1", 2]], ["f", "nope"], ["t", [["i", "1"]], "extra"]])
 def test_decode_rejects_what_no_encoding_produces(message):
     """Raw JSON numbers, objects, unknown tags, malformed bodies, unhashable set members: refused."""
