@@ -492,6 +492,8 @@ def test_tests_use_the_preludes_helpers_not_the_solutions():
 @needs_isolation
 def test_checking_process_is_out_of_reach(clean_machine):
     """The sandbox sees its own processes only (no checker, no pytest), and cannot signal the scorer."""
+    if rewards.sandbox_mode() != "bwrap":
+        pytest.skip("only bubblewrap mounts a /proc of the sandbox's own")
     probe = ("import os, signal\ndef f():\n    seen = []\n    for p in os.listdir('/proc'):\n        if p.isdigit():\n"
              "            try:\n                seen.append(open(f'/proc/{p}/cmdline').read())\n"
              "            except OSError:\n                pass\n"
