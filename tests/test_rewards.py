@@ -350,7 +350,7 @@ def test_exit_before_tests_does_not_pass(clean_machine):
     assert hostile("import sys\nsys.exit(0)\ndef f():\n    return 1", ECHO_TEST)[0] == 0.0
     assert hostile("import os\nprint('PASS')\nos._exit(0)", ECHO_TEST)[0] == 0.0
     reread = "import os\nos.lseek(0, 0, 0)\nprint(os.read(0, 100).decode().strip(), flush=True)\nos._exit(0)"
-    assert hostile(reread, ECHO_TEST)[0] == 0.0  # the nonce cannot be read back from stdin
+    assert hostile(reread, ECHO_TEST)[0] == 0.0  # stdin holds nothing, and what is printed does not count
     assert hostile("def f():\n    return 1", ECHO_TEST)[0] == 1.0  # and a real solution does pass
 
 
