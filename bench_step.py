@@ -12,7 +12,8 @@ On the same work, in one run:
             entropy) + backward + step over the same micro-batches; plus the padding share;
   sync      seconds of sync_weights_to_vllm and its share of the step, and how it scales on
             random Qwen2 models of a few sizes;
-  reward    responses/second of compute_rewards on 4096 math responses;
+  reward    responses/second of compute_rewards on 4096 math responses, and on code: HumanEval's
+            canonical solutions (function tests) and LiveCodeBench's stdin problems (stdio);
   memory    peak memory of per-token log-probs + their gradient, chunked vs the naive full
             logits path, at vocabulary 151,936, hidden 896, 2 x 2048 tokens (own processes);
   peer      TRL's GRPOTrainer (HF generate, one process) on the same model, prompts, G, batch,
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -427,6 +429,7 @@ def main() -> None:
                                  "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                  else torch.get_num_threads(),
                                  "per_s": args.reward_n / (time.perf_counter() - t0)}
+        results["reward_code"] = code_reward_rates(args.reward_workers) if shutil.which("bwrap") else None
         results["logprob_memory"] = memory
         Path(args.out).write_text(json.dumps(results, indent=1))
         r = results
@@ -447,6 +450,9 @@ def main() -> None:
             print(f"| reward | {r['reward']['per_s']:.0f} responses/s ({r['reward']['workers']} workers, "
                   f"{r['reward']['cores']} core{'s' * (r['reward']['cores'] != 1)}) | | | "
                   "MATH-500 solutions, half vs a wrong answer |")
+        for kind, per_s in (r.get("reward_code") or {}).items():
+            print(f"| reward, code | {per_s:.0f} responses/s ({args.reward_workers} workers) | | | "
+                  f"{kind}, all passing |")
         if r["peer"] is None:
             print("| peer: TRL GRPOTrainer | not installed (pip install trl) | | | |")
         elif "error" in r["peer"]:
@@ -463,6 +469,21 @@ def main() -> None:
         print(f"| log-prob memory | {m['chunked_peak_gib']:.2f} GiB | naive {m['naive_peak_gib']:.2f} GiB | "
               f"{m['ratio']:.3f} | <= {TARGETS['memory']} (max diff {m['max_abs_diff']:.1e}) |")
     dist.barrier()
+
+
+def code_reward_rates(workers: int) -> dict[str, float]:
+    """Responses/second of compute_rewards on code that passes, each set after its workers are up."""
+    from rewards import compute_rewards
+    from tests.reward_cases import code_cases
+
+    rates = {}
+    for kind in ("humaneval", "livecodebench_stdin"):
+        responses, tests = code_cases(kind)
+        compute_rewards(responses[:workers], tests[:workers], ["code"] * workers, workers)
+        t0 = time.perf_counter()
+        compute_rewards(responses, tests, ["code"] * len(responses), workers)
+        rates[kind] = len(responses) / (time.perf_counter() - t0)
+    return rates
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@
         with math-verify (fractions/decimals, \\sqrt, intervals, tuples, sets, units, %, ...).
     code_reward(response, tests) -> pass fraction
         last fenced Python block, run against {"test", "entry_point"} (HumanEval/MBPP) or
-        {"stdio": [{"input", "output"}, ...]} (LiveCodeBench/Codeforces) in a sandbox.
+        {"stdio": [{"input", "output"}, ...]} (LiveCodeBench/Codeforces) in a sandbox. Function
+        tests: the solution runs alone in the sandbox behind a call server, the tests' check runs
+        here and gets plain data back (check_function). Stdio: every case of a response in one
+        sandbox start, each its own forked process; outputs compared here (run_cases).
     compute_rewards(responses, references, kinds, num_workers) -> list[float]
         a whole rollout batch in persistent worker processes, order kept; every item bounded
         by a hard timeout (the worker is killed and replaced), so nothing blocks the batch.
@@ -27,20 +30,24 @@ filesystem writable by `nobody`) or REWARDS_SANDBOX=rlimits (resource limits onl
 from __future__ import annotations
 
 import atexit
+import builtins
+import contextlib
+import functools
+import inspect
 import json
 import logging
+import marshal
 import math
 import os
 import re
-import secrets
 import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 
 log = logging.getLogger("rewards")
@@ -244,81 +251,53 @@ def _unshare_prefix() -> list[str]:
     return ["unshare", "--net", "--pid", "--fork", "--kill-child"]
 
 
-# Runs inside the sandbox before the untrusted program: limits, then drop root.
-_BOOTSTRAP = """
-import os, resource, runpy, sys
-cpu, mem, procs, fsize, uid = {limits}
-for what, n in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
-                (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)):
-    resource.setrlimit(what, (n, n))
-if uid >= 0:
-    os.setgroups([]); os.setgid(uid); os.setuid(uid)
-    resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
-sys.argv = ["main.py"]
-runpy.run_path("main.py", run_name="__main__")
+# Every program started in the sandbox begins with `params` (limits, counts, names: nothing a
+# program could use) and `limit`: resource limits, then drop root. No json in there: its import
+# (with `re`) would be a third of a sandbox's start-up.
+_LIMIT = """
+import os, resource, sys
+def limit(cpu, mem, procs, fsize, uid):
+    for what, n in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
+                    (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(what, (n, n))
+    if uid >= 0:
+        os.setgroups([]); os.setgid(uid); os.setuid(uid)
+        resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
 """
 
 
-def run_sandboxed(program: str, stdin: str = "", timeout: float = CODE_TIMEOUT_S) -> tuple[int, str, bool]:
-    """Run a Python program in the sandbox; returns (exit code, stdout, timed out)."""
+def _limits(mode: str, timeout: float) -> list[int]:
+    return [math.ceil(timeout) + 1, CODE_MEMORY_BYTES, CODE_MAX_PROCS, CODE_MAX_FILE_BYTES, _sandbox_uid(mode)]
+
+
+@contextlib.contextmanager
+def _sandbox(files: dict[str, str], script: str, params: dict, talk: bool = False):
+    """One sandbox start: `script` run by the sandbox's Python in a fresh directory holding `files`;
+    yields the process (its stdout a pipe, its stdin and stderr too if `talk`); killed and removed after."""
     mode = sandbox_mode()
     workdir = tempfile.mkdtemp(prefix="reward-", dir=_TMP_ROOT)
+    proc = None
     try:
         os.chmod(workdir, 0o777)  # the program runs as nobody
-        with open(os.path.join(workdir, "main.py"), "w") as f:
-            f.write(program)
-        limits = (math.ceil(timeout) + 1, CODE_MEMORY_BYTES, CODE_MAX_PROCS, CODE_MAX_FILE_BYTES, _sandbox_uid(mode))
-        python = [_sandbox_python(mode), "-I", "-c", _BOOTSTRAP.format(limits=limits)]
+        for name, text in files.items():
+            with open(os.path.join(workdir, name), "w") as f:
+                f.write(text)
+        python = [_sandbox_python(mode), "-I", "-c", f"params = {dict(params, mode=mode)!r}\n" + _LIMIT + script]
         if mode == "bwrap":
-            cmd, cwd = _bwrap_prefix(workdir) + python, workdir
+            cmd = _bwrap_prefix(workdir) + python
         elif mode == "unshare":
-            cmd, cwd = _unshare_prefix() + python, workdir
+            cmd = _unshare_prefix() + python
         else:
-            cmd, cwd = python, workdir
+            cmd = python
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        # A pipe (what is read cannot be re-read: the harness's nonce stays secret), fed from a
-        # thread so that a program which writes before it reads cannot deadlock us.
-        threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True).start()
-        try:
-            return _read_bounded(proc, time.monotonic() + timeout)
-        finally:
-            _kill_group(proc)
+        pipe_if_talk = subprocess.PIPE if talk else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=pipe_if_talk, stdout=subprocess.PIPE,
+                                stderr=pipe_if_talk, start_new_session=True)
+        yield proc
     finally:
+        if proc is not None:
+            _kill_group(proc)
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _feed(pipe, data: bytes) -> None:
-    try:
-        pipe.write(data)
-        pipe.close()
-    except OSError:  # the program exited (or was killed) without reading it all
-        pass
-
-
-def _read_bounded(proc: subprocess.Popen, deadline: float) -> tuple[int, str, bool]:
-    """(exit code, stdout, timed out), reading at most CODE_MAX_OUTPUT_BYTES: memory and time stay
-    bounded whatever the program writes; past the cap it is killed (by the caller) and fails."""
-    out, size, fd = [], 0, proc.stdout.fileno()
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return -9, "", True
-        if not select.select([fd], [], [], left)[0]:
-            continue
-        data = os.read(fd, 1 << 16)
-        if not data:  # EOF: the program (and anything it started) closed its stdout
-            break
-        size += len(data)
-        if size > CODE_MAX_OUTPUT_BYTES:
-            return -9, "", False
-        out.append(data)
-    try:
-        rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        return -9, "", True
-    return rc, b"".join(out).decode(errors="replace"), False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -332,8 +311,448 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+class _Broken(Exception):
+    """The sandboxed side went silent past the deadline, closed its end, or wrote past its budget."""
+
+
+class _Link:
+    """The pipes to a sandboxed process, used within a deadline and a byte budget: whatever the
+    process writes (or withholds), the scorer's time and memory stay bounded. What the program
+    prints (the process's stderr pipe, where there is one) is read, counted and dropped."""
+
+    def __init__(self, proc: subprocess.Popen, deadline: float, budget: int):
+        self.proc, self.deadline, self.budget, self.buf = proc, deadline, budget, bytearray()
+        self.prints = proc.stderr.fileno() if proc.stderr else None
+
+    def _count(self, n: int) -> None:
+        self.budget -= n
+        if self.budget < 0:
+            raise _Broken("past the output cap")
+
+    def _wait(self, fd: int, write: bool = False) -> None:
+        """Until fd is ready to read (or write), draining the prints meanwhile."""
+        while True:
+            left = self.deadline - time.monotonic()
+            watch = [self.prints] if self.prints is not None else []
+            readable, writable, _ = select.select(watch if write else [fd, *watch], [fd] if write else [], [],
+                                                  max(0.0, left))
+            if not readable and not writable:
+                raise _Broken("timed out")
+            if self.prints in readable:
+                data = os.read(self.prints, 1 << 16)
+                if data:
+                    self._count(len(data))
+                else:
+                    self.prints = None
+            if fd in readable or fd in writable:
+                return
+
+    def _fill(self) -> None:
+        fd = self.proc.stdout.fileno()
+        self._wait(fd)
+        data = os.read(fd, 1 << 16)
+        if not data:
+            raise _Broken("closed")
+        self._count(len(data))
+        self.buf += data
+
+    def line(self) -> bytes:
+        start = 0
+        while (end := self.buf.find(b"\n", start)) < 0:
+            start = len(self.buf)
+            self._fill()
+        out = bytes(self.buf[:end])
+        del self.buf[: end + 1]
+        return out
+
+    def exact(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._fill()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def send(self, data: bytes) -> None:
+        # Non-blocking: a process that stops reading cannot hold the scorer past the deadline.
+        fd = self.proc.stdin.fileno()
+        os.set_blocking(fd, False)
+        view = memoryview(data)
+        while view:
+            self._wait(fd, write=True)
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                pass
+            except OSError as e:  # the process closed its end (or died)
+                raise _Broken("closed") from e
+
+
+# --- stdin/stdout tests: every case of a response in one sandbox start ---------------------------
+#
+# A runner in the sandbox forks each case from its own already-started interpreter (no Python
+# start-up per case), as its own process: own session, limits, user `nobody`, the case's input
+# file as stdin (each input is opened and unlinked before any case runs, so no case can read
+# another's), its stdout read up to CODE_MAX_OUTPUT_BYTES and its wall time bounded; afterwards
+# everything it left running is killed. The expected outputs never enter the sandbox: the runner
+# sends each case's exit code and output back and the comparison happens here.
+_CASE_RUNNER = r"""
+import atexit, select, signal, time, types
+channel = os.dup(1)
+inputs = []
+for i in range(params["cases"]):
+    inputs.append(os.open(f"{i}.in", os.O_RDONLY))
+    os.unlink(f"{i}.in")
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0)
+os.dup2(null, 1)
+same_user = params["limits"][4] < 0
+if same_user:  # cases run as this user: make this process unreadable to them through /proc
+    import ctypes
+    prctl = ctypes.CDLL(None).prctl
+    prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+
+def run_main():
+    # What `python main.py` does: the script as a fresh __main__ module, then the interpreter's exit
+    # steps (wait for its threads, atexit, flush); its exit status.
+    main = types.ModuleType("__main__")
+    main.__file__ = "main.py"
+    sys.modules["__main__"] = main
+    code = 0
+    try:
+        with open("main.py", "rb") as f:
+            exec(compile(f.read(), "main.py", "exec"), main.__dict__)
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        code = 1
+        try:
+            sys.excepthook(*sys.exc_info())
+        except BaseException:
+            pass
+    try:
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+    except BaseException:
+        code = code or 120
+    return code & 0xFF if -2**63 <= code < 2**63 else 255
+
+def run_case(fd_in):
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            os.setsid()
+            os.dup2(fd_in, 0)
+            os.dup2(w, 1)
+            os.closerange(3, 1 << 16)
+            limit(*params["limits"])
+            if same_user:
+                prctl(4, 1, 0, 0, 0)
+            sys.argv = ["main.py"]
+            code = run_main()
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + params["timeout"]
+    out, size, result = [], 0, None
+    while result is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            result = (-9, b"", 1)
+        elif select.select([r], [], [], left)[0]:
+            data = os.read(r, 1 << 16)
+            size += len(data)
+            if not data:
+                break
+            if size > params["cap"]:
+                result = (-9, b"", 0)
+            out.append(data)
+    reaped = False
+    while result is None:  # stdout closed: the exit status, within the same deadline
+        reaped, status = os.waitpid(child, os.WNOHANG)
+        if reaped:
+            result = (os.waitstatus_to_exitcode(status), b"".join(out), 0)
+        elif time.monotonic() >= deadline:
+            result = (-9, b"", 1)
+        else:
+            time.sleep(0.001)
+    os.close(r)
+    try:
+        os.killpg(child, signal.SIGKILL)  # the case and whatever it started
+    except OSError:
+        pass
+    if not reaped:
+        os.waitpid(child, 0)
+    if params["mode"] != "rlimits":  # in its own PID namespace: whatever escaped the session goes too
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+        try:  # where this runner is the namespace's init (unshare), the orphans are its to reap
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+    return result
+
+for fd_in in inputs:
+    rc, out, timed_out = run_case(fd_in)
+    data = b"%d %d %d\n" % (rc, timed_out, len(out)) + out
+    while data:
+        data = data[os.write(channel, data):]
+"""
+
+
+def run_cases(program: str, inputs: list[str], timeout: float = CODE_TIMEOUT_S) -> Iterator[tuple[int, str, bool]]:
+    """Run a Python program once per input, all in one sandbox start; yields (exit code, stdout,
+    timed out) per input, in order. A run past its limits yields (-9, "", timed out)."""
+    params = {"limits": _limits(sandbox_mode(), timeout), "cases": len(inputs), "timeout": timeout,
+              "cap": CODE_MAX_OUTPUT_BYTES}
+    files = {"main.py": program, **{f"{i}.in": text for i, text in enumerate(inputs)}}
+    done = 0
+    with _sandbox(files, _CASE_RUNNER, params) as proc:
+        link = _Link(proc, time.monotonic() + 5 + len(inputs) * (timeout + 1),
+                     len(inputs) * (CODE_MAX_OUTPUT_BYTES + 64))
+        try:
+            for _ in inputs:
+                rc, timed_out, size = map(int, link.line().split())
+                if not 0 <= size <= CODE_MAX_OUTPUT_BYTES:
+                    break
+                yield rc, link.exact(size).decode(errors="replace"), bool(timed_out)
+                done += 1
+        except (_Broken, ValueError):  # the runner died or lied: the cases left fail
+            pass
+    for _ in range(len(inputs) - done):
+        yield -9, "", True
+
+
+def run_sandboxed(program: str, stdin: str = "", timeout: float = CODE_TIMEOUT_S) -> tuple[int, str, bool]:
+    """Run a Python program in the sandbox; returns (exit code, stdout, timed out)."""
+    return list(run_cases(program, [stdin], timeout))[0]
+
+
 def _normalize_output(s: str) -> str:
     return "\n".join(line.rstrip() for line in s.strip().splitlines())
+
+
+# --- function tests: the check out of the tested program's reach ---------------------------------
+#
+# The tested code runs alone in the sandbox behind a call server: no test, no expected value,
+# nothing secret is in there. The benchmark's check (trusted) runs here, in the scorer, with
+# `candidate` a stub: each call sends its arguments over the pipe, the server calls the real
+# function, and what it returns comes back as plain data, rebuilt here from a strict encoding of
+# builtin types only (an object equal to everything, an int subclass, a patched builtin cannot
+# cross). The sandbox has its own PID namespace and user: it cannot see, signal or trace this
+# process. Whatever breaks the protocol fails the test.
+
+def encode_plain(x: object, depth: int = 0) -> object:
+    """x as tagged data (lists, ASCII strings, None, booleans): None, bool, int, float (inf and nan
+    too), complex, str, bytes, and lists, tuples, sets, frozensets and dicts of these, each keeping
+    its type. An instance of a subclass (Counter, namedtuple, IntEnum) is encoded as its builtin
+    base's value: what it overrides (an __eq__ that is always True) stays behind. ValueError for
+    anything else."""
+    if x is None or type(x) is bool:
+        return x
+    if depth > 100:
+        raise ValueError("nested too deeply")
+    if isinstance(x, str):
+        return ["u", str.encode(x, "utf-8", "surrogatepass").hex()]
+    if isinstance(x, int):
+        return ["i", hex(int.__int__(x))]
+    if isinstance(x, float):
+        return ["f", float.hex(x)]
+    if isinstance(x, complex):
+        return ["c", [float.hex(x.real), float.hex(x.imag)]]
+    if isinstance(x, bytes):
+        return ["b", bytes.hex(x)]
+    if isinstance(x, dict):
+        return ["d", [[encode_plain(k, depth + 1), encode_plain(v, depth + 1)] for k, v in dict.items(x)]]
+    for base, tag in ((list, "l"), (tuple, "t"), (set, "s"), (frozenset, "fs")):
+        if isinstance(x, base):
+            return [tag, [encode_plain(v, depth + 1) for v in base.__iter__(x)]]
+    raise ValueError(f"not plain data: {type(x).__name__}")
+
+
+def decode_plain(x: object, depth: int = 0) -> object:
+    """The value encode_plain described, built from builtin types only; ValueError (or TypeError for
+    an unhashable key) for anything else, whatever the sender wrote."""
+    if x is None or type(x) is bool:
+        return x
+    if type(x) is not list or len(x) != 2 or type(x[0]) is not str or depth > 100:
+        raise ValueError("not an encoded value")
+    tag, body = x
+    if tag == "u" and type(body) is str:
+        return bytes.fromhex(body).decode("utf-8", "surrogatepass")
+    if tag in ("i", "f", "b") and type(body) is str:
+        return int(body, 16) if tag == "i" else float.fromhex(body) if tag == "f" else bytes.fromhex(body)
+    if tag == "c" and type(body) is list and [type(v) for v in body] == [str, str]:
+        return complex(float.fromhex(body[0]), float.fromhex(body[1]))
+    if type(body) is not list:
+        raise ValueError("not an encoded value")
+    if tag == "d":
+        if not all(type(kv) is list and len(kv) == 2 for kv in body):
+            raise ValueError("not an encoded dict")
+        return {decode_plain(k, depth + 1): decode_plain(v, depth + 1) for k, v in body}
+    items = [decode_plain(v, depth + 1) for v in body]
+    if tag == "l":
+        return items
+    if tag == "t":
+        return tuple(items)
+    if tag == "s":
+        return set(items)
+    if tag == "fs":
+        return frozenset(items)
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+# The call server: limits and the privilege drop first, then the solution, then one reply per call.
+_CALL_SERVER = r"""
+import marshal
+channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.dup(1)
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0)  # the solution's reads and prints must not touch the channel: its stdout goes to
+os.dup2(2, 1)  # the scorer's other pipe (counted against the output cap), its stderr nowhere
+os.dup2(null, 2)
+limit(*params["limits"])
+sys.argv = ["main.py"]
+
+def as_json(x):  # encode_plain's output is lists, ASCII strings, None and booleans
+    if x is None or type(x) is bool:
+        return "null" if x is None else "true" if x else "false"
+    return '"' + x + '"' if type(x) is str else "[" + ",".join(map(as_json, x)) + "]"
+
+def reply(kind, body=None):
+    data = ("[" + as_json(kind) + "," + as_json(body) + "]\n").encode()
+    while data:
+        data = data[os.write(channel_out, data):]
+
+def request():  # the scorer's own data, length-prefixed marshal
+    head = channel_in.read(8)
+    return marshal.loads(channel_in.read(int.from_bytes(head, "little"))) if len(head) == 8 else None
+
+ns = {"__name__": "solution"}
+try:
+    exec(compile(open("prelude.py").read(), "prelude.py", "exec"), ns)
+    exec(compile(open("main.py").read(), "solution.py", "exec"), ns)
+    entry = ns[params["entry_point"]]
+except BaseException:
+    os._exit(1)
+objects = []  # instances the entry point made, when it is a class (LiveCodeBench's Solution)
+reply("ready")
+while (call := request()) is not None:
+    target, args, kwargs = call
+    try:
+        fn = entry if target is None else getattr(objects[target[0]], target[1])
+        result = fn(*decode_plain(args), **decode_plain(kwargs))
+    except BaseException as e:
+        try:
+            message = str(e)[:1000]
+        except BaseException:
+            message = ""
+        reply("raised", encode_plain((type(e).__name__, message)))
+        continue
+    try:
+        reply("value", encode_plain(result))
+    except (ValueError, RecursionError):
+        if target is None and isinstance(entry, type) and type(result) is entry:
+            objects.append(result)
+            reply("object", str(len(objects) - 1))
+        else:
+            reply("unplain")
+"""
+
+
+class _Disqualified(BaseException):
+    """The tested code broke the protocol (a result that is not plain data, a dead or silent
+    sandbox): the test fails, whatever the check does. Not an Exception, so that a test's own
+    `except Exception` cannot swallow it; and recorded, so that a bare `except:` cannot either."""
+
+
+def _reraised(name: str, message: str) -> BaseException | None:
+    """What the tested code raised, as the builtin exception of that name (tests may expect a
+    ValueError); a name that is no builtin exception becomes a plain Exception, a StopIteration
+    too (it would end the check's own loops early); None for SystemExit and the like."""
+    cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, BaseException) and not issubclass(cls, Exception):
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, Exception)) or issubclass(cls, (StopIteration,
+                                                                                      StopAsyncIteration)):
+        return Exception(f"{name}: {message}")
+    try:
+        return cls(message)
+    except Exception:  # builtins that take other arguments (UnicodeDecodeError)
+        return cls.__new__(cls)
+
+
+class _Calls:
+    """This side of the call server: `candidate`, and the objects it makes, call through here."""
+
+    def __init__(self, link: _Link):
+        self.link, self.broken = link, False
+
+    def call(self, target: list | None, args: tuple, kwargs: dict):
+        if not self.broken:
+            try:
+                request = marshal.dumps([target, encode_plain(args), encode_plain(kwargs)])
+                self.link.send(len(request).to_bytes(8, "little") + request)
+                kind, body = json.loads(self.link.line())
+                if kind == "value":
+                    return decode_plain(body)
+                if kind == "object" and target is None and type(body) is str and body.isdigit():
+                    return _Remote(self, int(body))
+                name, message = decode_plain(body) if kind == "raised" else (None, None)
+                error = _reraised(name, message) if type(name) is str and type(message) is str else None
+            except Exception:  # _Broken, or a reply no server sends: nothing of it reaches the test
+                error = None
+            if error is not None:
+                raise error
+        self.broken = True
+        raise _Disqualified
+
+
+class _Remote:
+    """An instance the entry point made in the sandbox: its methods run there. It has no value on
+    this side: it equals only itself."""
+
+    __slots__ = ("_calls", "_id")
+
+    def __init__(self, calls: _Calls, i: int):
+        self._calls, self._id = calls, i
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # protocols probed by copy, pickle, pprint: not the tested methods
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._calls.call([self._id, name], args, kwargs)
+
+
+@functools.cache
+def _server_script() -> str:
+    return inspect.getsource(encode_plain) + inspect.getsource(decode_plain) + _CALL_SERVER
+
+
+def check_function(code: str, tests: dict, timeout: float = CODE_TIMEOUT_S) -> bool:
+    """Whether the solution `code` passes `tests` ({"test", "entry_point"[, "prelude"]}): the test's
+    check(candidate) runs here against a stub of the entry point; the solution runs in the sandbox."""
+    prelude, entry = tests.get("prelude", ""), tests["entry_point"]
+    params = {"limits": _limits(sandbox_mode(), timeout), "entry_point": entry}
+    with _sandbox({"main.py": code, "prelude.py": prelude}, _server_script(), params, talk=True) as proc:
+        calls = _Calls(_Link(proc, time.monotonic() + timeout, CODE_MAX_OUTPUT_BYTES))
+        try:
+            if calls.link.line() != b'["ready",null]':
+                return False
+            # The prelude (the benchmark's own: imports, helpers such as HumanEval's `poly`) runs
+            # on both sides: the tests use its helpers from here, never the solution's versions.
+            ns = {"__name__": "check"}
+            exec(prelude, ns)
+            candidate = ns[entry] = lambda *args, **kwargs: calls.call(None, args, kwargs)
+            exec(compile(tests["test"], "test.py", "exec"), ns)
+            ns["check"](candidate)
+        except (Exception, SystemExit, _Disqualified):
+            return False
+        return not calls.broken
 
 
 def code_reward(response: str, tests: dict | str, binary: bool = False, timeout: float = CODE_TIMEOUT_S) -> float:
@@ -346,25 +765,12 @@ def code_reward(response: str, tests: dict | str, binary: bool = False, timeout:
             return 0.0
         if "stdio" in tests:
             cases = tests["stdio"]
-            passed = 0
-            for case in cases:
-                rc, out, timed_out = run_sandboxed(code, case["input"], timeout)
-                passed += rc == 0 and not timed_out and _normalize_output(out) == _normalize_output(case["output"])
+            with contextlib.closing(run_cases(code, [case["input"] for case in cases], timeout)) as runs:
+                passed = sum(rc == 0 and not timed_out and _normalize_output(out) == _normalize_output(case["output"])
+                             for case, (rc, out, timed_out) in zip(cases, runs))
             score = passed / len(cases) if cases else 0.0
         else:
-            # The harness reads a nonce before the solution runs and prints it only after
-            # check() returns, so an early sys.exit(0) or a printed "PASS" does not count.
-            nonce = secrets.token_hex(16)
-            harness = (
-                "import sys\n_n = sys.stdin.readline().strip()\nsys.stdin = open('/dev/null')\n"
-                f"_ns = {{'__name__': 'solution'}}\nexec({tests.get('prelude', '')!r}, _ns)\n"
-                f"exec(compile({code!r}, 'solution.py', 'exec'), _ns)\n"
-                f"_f = _ns[{tests['entry_point']!r}]\n"  # before the tests' own names can shadow it
-                f"exec(compile({tests['test']!r}, 'test.py', 'exec'), _ns)\n"
-                f"_ns['check'](_f)\nprint(_n, flush=True)\n"
-            )
-            rc, out, timed_out = run_sandboxed(harness, nonce + "\n", timeout)
-            score = float(rc == 0 and not timed_out and out.strip().endswith(nonce))
+            score = float(check_function(code, tests, timeout))
         return float(score == 1.0) if binary else float(score)
     except SandboxUnavailable:
         raise  # a machine without the sandbox must not silently score every program 0

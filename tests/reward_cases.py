@@ -29,3 +29,21 @@ def cases(name: str, limit: int | None = None) -> list[dict]:
     rows = [json.loads(line) for line in (BENCHMARKS / f"{name}.jsonl").read_text().splitlines()]
     rows = rows[:limit] if limit else rows
     return [{"id": r["id"], "response": response_for(r), "answer": r["answer"]} for r in rows]
+
+
+def code_cases(kind: str) -> tuple[list[str], list[dict]]:
+    """(responses, tests) that all pass, for code-reward throughput: "humaneval" (the canonical
+    solutions, one sandbox start each, the check outside) or "livecodebench_stdin" (the 175
+    stdin/stdout problems, ~2.6 cases each, answered from a table of their cases)."""
+    from data.prepare import load_rows
+
+    if kind == "humaneval":
+        raw = [json.loads(line) for line in (BENCHMARKS / "humaneval.jsonl").read_text().splitlines()]
+        return ([f"```python\n{r['prompt'] + r['canonical_solution']}\n```" for r in raw],
+                [{"test": r["test"], "entry_point": r["entry_point"], "prelude": r["prompt"]} for r in raw])
+    if kind == "livecodebench_stdin":
+        rows = [r for r in load_rows("livecodebench", data_dir=str(BENCHMARKS)) if "stdio" in r["tests"]]
+        tables = [{c["input"].strip(): c["output"] for c in r["tests"]["stdio"]} for r in rows]
+        return ([f"```python\nimport sys\nT = {t!r}\nsys.stdout.write(T.get(sys.stdin.read().strip(), ''))\n```"
+                 for t in tables], [r["tests"] for r in rows])
+    raise ValueError(f"unknown code case set {kind!r}")

@@ -173,7 +173,9 @@ def fenced(code: str) -> str:
 
 def test_humaneval_canonical_solutions_pass_and_wrong_bodies_fail():
     rows = humaneval()
-    tests = [{"test": r["test"], "entry_point": r["entry_point"]} for r in rows]
+    # The prelude (the prompt, as data/prepare.py ships it) gives the tests their helpers (`poly`,
+    # `encode_cyclic`): the check never takes them from the response, which could redefine them.
+    tests = [{"test": r["test"], "entry_point": r["entry_point"], "prelude": r["prompt"]} for r in rows]
     good = compute_rewards([fenced(r["prompt"] + r["canonical_solution"]) for r in rows], tests,
                            ["code"] * len(rows), num_workers=2)
     failed = [r["task_id"] for r, s in zip(rows, good) if s != 1.0]
@@ -348,7 +350,7 @@ def test_exit_before_tests_does_not_pass(clean_machine):
     assert hostile("import sys\nsys.exit(0)\ndef f():\n    return 1", ECHO_TEST)[0] == 0.0
     assert hostile("import os\nprint('PASS')\nos._exit(0)", ECHO_TEST)[0] == 0.0
     reread = "import os\nos.lseek(0, 0, 0)\nprint(os.read(0, 100).decode().strip(), flush=True)\nos._exit(0)"
-    assert hostile(reread, ECHO_TEST)[0] == 0.0  # the nonce cannot be read back from stdin
+    assert hostile(reread, ECHO_TEST)[0] == 0.0  # stdin holds nothing, and what is printed does not count
     assert hostile("def f():\n    return 1", ECHO_TEST)[0] == 1.0  # and a real solution does pass
 
 
@@ -379,3 +381,166 @@ def test_math_rewards_need_no_sandbox(tmp_path):
     res = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PATH": str(tmp_path)})
     assert res.returncode == 0 and res.stdout.strip() == "[1.0]", res.stderr[-2000:]
+
+
+# -- code: function tests checked outside the sandbox (issue #17; the hack families: test_reward_hacks.py) --
+
+PLAIN = [None, True, 0, -2**200, 1.5, -0.0, float("inf"), float("-inf"), 1 + 2j, "é\ud800", b"\x00\xff",
+         [1, (2, 3)], (1, [2]), {1, 2}, frozenset({(1, 2)}), {(1, 2): [3.0], "k": {frozenset(): b""}}, ((),)]
+
+
+def test_plain_data_crosses_with_its_types():
+    for value in PLAIN:
+        back = rewards.decode_plain(json.loads(json.dumps(rewards.encode_plain(value))))
+        assert back == value and repr(back) == repr(value), value
+    nan = rewards.decode_plain(rewards.encode_plain(float("nan")))
+    assert type(nan) is float and nan != nan
+    assert rewards.decode_plain(rewards.encode_plain(True)) is True
+    assert type(rewards.decode_plain(rewards.encode_plain(1))) is int  # not a bool
+
+
+def test_subclasses_cross_as_their_builtin_value_and_anything_else_not_at_all():
+    from collections import Counter, namedtuple
+
+    class AnyInt(int):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    assert type(rewards.decode_plain(rewards.encode_plain(Counter("aab")))) is dict
+    assert rewards.decode_plain(rewards.encode_plain(namedtuple("P", "x y")(1, 2))) == (1, 2)
+    back = rewards.decode_plain(rewards.encode_plain(AnyInt(5)))
+    assert type(back) is int and back == 5 and back != 6  # the override stayed behind
+    for value in (object(), iter([1]), [1, object()], range(3), lambda: 1, type, rewards):
+        with pytest.raises(ValueError):
+            rewards.encode_plain(value)
+    deep = []
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(ValueError):
+        rewards.encode_plain(deep)
+
+
+@pytest.mark.parametrize("message", [1, 1.5, "raw", {"i": "1"}, ["i", 1], ["x", "1"], ["l", "ab"], ["d", [[1]]],
+                                     ["s", [["l", []]]], ["c", ["1", 2]], ["f", "nope"], ["t", [["i", "1"]], "extra"]])
+def test_decode_rejects_what_no_encoding_produces(message):
+    """Raw JSON numbers, objects, unknown tags, malformed bodies, unhashable set members: refused."""
+    with pytest.raises((ValueError, TypeError)):
+        rewards.decode_plain(message)
+
+
+def function_tests(test: str, entry: str = "f") -> dict:
+    return {"test": test, "entry_point": entry}
+
+
+CHECK = "def check(candidate):\n    "  # the opening of every test below
+
+
+@pytest.mark.parametrize("solution,test,score", [
+    # a tuple is not the list a HumanEval test expects, and the other way round
+    ("def f(x):\n    return (x, x)", CHECK + "assert candidate(1) == [1, 1]", 0.0),
+    ("def f(x):\n    return [x, x]", CHECK + "assert candidate(1) == [1, 1]", 1.0),
+    ("def f(x):\n    return {x: (x,)}", CHECK + "assert candidate(2) == {2: (2,)}", 1.0),
+    # a tolerance the test states
+    ("def f(x):\n    return x / 3", CHECK + "assert abs(candidate(1) - 0.3333333) < 1e-6", 1.0),
+    ("def f(x):\n    return float('inf')", "import math\n" + CHECK + "assert math.isinf(candidate(1))", 1.0),
+    # an exception the test expects, and one it does not
+    ("def f(x):\n    raise ValueError('no')",
+     CHECK + "try:\n        candidate(-1)\n    except ValueError as e:\n        assert str(e) == 'no'\n"
+     "    else:\n        assert False", 1.0),
+    ("def f(x):\n    raise TypeError('no')",
+     CHECK + "try:\n        candidate(-1)\n    except ValueError:\n        pass\n    else:\n        assert False", 0.0),
+    # a StopIteration does not end the check's own iteration early
+    ("def f(x):\n    raise StopIteration", CHECK + "assert all(map(candidate, [1, 2]))", 0.0),
+    # keyword arguments, sets, bytes
+    ("def f(a, *, b):\n    return sorted(a | b)", CHECK + "assert candidate({1}, b={2}) == [1, 2]", 1.0),
+    ("def f(x):\n    return x[::-1]", CHECK + "assert candidate(b'ab') == b'ba'", 1.0),
+    # results that are no plain data fail, even where the test would accept them
+    ("def f(x):\n    return iter([x])", CHECK + "assert list(candidate(1)) == [1]", 0.0),
+    ("def f(x):\n    return f", CHECK + "assert candidate(1) is not None", 0.0),
+    # the tested code's SystemExit or a silent death fail, even inside the test's own try/except
+    ("def f(x):\n    raise SystemExit(0)",
+     CHECK + "try:\n        candidate(1)\n    except BaseException:\n        pass", 0.0),
+    ("import os\ndef f(x):\n    os._exit(0)", CHECK + "try:\n        candidate(1)\n    except:\n        pass", 0.0),
+])
+def test_function_test_semantics(solution, test, score):
+    assert code_reward(fenced(solution), function_tests(test)) == score
+
+
+def test_class_entry_point_objects_live_in_the_sandbox():
+    """LiveCodeBench's Solution(): methods run in the sandbox; the object itself has no value here."""
+    tests = function_tests("def check(candidate):\n    s = candidate()\n    assert s.add(1, 2) == 3\n"
+                           "    assert s.add(0, 0) == 0\n    assert s != 3 and s is not None", "Solution")
+    good = ("class Solution:\n    def add(self, a, b):\n        return a + b\n"
+            "    def __eq__(self, other):\n        return True")
+    assert code_reward(fenced(good), tests) == 1.0
+    assert code_reward(fenced(good.replace("a + b", "a - b")), tests) == 0.0
+    leaky = function_tests("def check(candidate):\n    assert candidate().me() == 1", "Solution")
+    assert code_reward(fenced("class Solution:\n    def me(self):\n        return self"), leaky) == 0.0
+
+
+def test_tests_use_the_preludes_helpers_not_the_solutions():
+    """HumanEval/32's check evaluates `poly` on the answer: a solution that redefines poly gains nothing."""
+    from data.prepare import load_rows
+
+    row = next(r for r in load_rows("humaneval", data_dir=str(BENCHMARKS)) if r["id"] == "HumanEval/32")
+    cheat = "def poly(xs, x):\n    return 0\n\ndef find_zero(xs):\n    return 0.0\n"
+    assert code_reward(fenced(cheat), row["tests"]) == 0.0
+
+
+@needs_isolation
+def test_checking_process_is_out_of_reach(clean_machine):
+    """The sandbox sees its own processes only (no checker, no pytest), and cannot signal the scorer."""
+    if rewards.sandbox_mode() != "bwrap":
+        pytest.skip("only bubblewrap mounts a /proc of the sandbox's own")
+    probe = ("import os, signal\ndef f():\n    seen = []\n    for p in os.listdir('/proc'):\n        if p.isdigit():\n"
+             "            try:\n                seen.append(open(f'/proc/{p}/cmdline').read())\n"
+             "            except OSError:\n                pass\n"
+             f"    for pid in (os.getppid(), {os.getpid()}):\n        try:\n            os.kill(pid, signal.SIGKILL)\n"
+             "        except OSError:\n            pass\n    return seen\n")
+    test = ("def check(candidate):\n    seen = candidate()\n    assert 0 < len(seen) <= 2, seen\n"
+            "    assert not any('pytest' in s or 'test.py' in s or 'check(candidate)' in s for s in seen), seen")
+    assert code_reward(fenced(probe), function_tests(test)) == 1.0
+
+
+# -- code: stdio tests, all cases of a response in one sandbox start -----------------------------------
+
+def test_stdio_cases_share_one_sandbox_start(monkeypatch):
+    starts = []
+    real = rewards._sandbox
+    monkeypatch.setattr(rewards, "_sandbox", lambda *a, **k: starts.append(1) or real(*a, **k))
+    tests = {"stdio": [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(5)]}
+    assert code_reward(fenced("print(2 * int(input()))"), tests) == 1.0
+    assert len(starts) == 1
+
+
+@needs_isolation
+def test_each_case_reads_only_its_own_input(clean_machine):
+    """No case finds another's input: not on stdin, not in the sandbox's files, not through /proc."""
+    spy = ("import glob, os, sys\nown = sys.stdin.read()\nfound = set()\n"
+           "for path in glob.glob('/sandbox/*') + glob.glob('/tmp/*') + glob.glob('/proc/[0-9]*/fd/*'):\n"
+           "    try:\n        found.add(open(path).read(100))\n    except Exception:\n        pass\n"
+           "print(own, sorted(s for s in found if s.startswith('secret-') and s != own))")
+    tests = {"stdio": [{"input": f"secret-{i}", "output": f"secret-{i} []"} for i in range(3)]}
+    assert code_reward(fenced(spy), tests) == 1.0
+
+
+def test_each_case_has_its_own_time_limit_and_output_cap(clean_machine):
+    program = ("import sys\ncase = sys.stdin.read().strip()\nif case == 'loop':\n    while True:\n        pass\n"
+               "if case == 'flood':\n    while True:\n        print('x' * 10000)\nprint(case)")
+    tests = {"stdio": [{"input": c, "output": c} for c in ("loop", "a", "flood", "b")]}
+    t0 = time.time()
+    assert code_reward(fenced(program), tests, timeout=2.0) == 0.5
+    assert time.time() - t0 < 2.0 + 6
+
+
+@needs_isolation
+def test_what_a_case_leaves_running_is_gone_before_the_next(clean_machine):
+    program = ("import os, sys, time\nif sys.stdin.read().strip() == 'first':\n    if os.fork() == 0:\n"
+               "        os.setsid()\n        os.dup2(os.open('/dev/null', os.O_WRONLY), 1)\n"
+               "        time.sleep(0.5)\n        open('/sandbox/late', 'w').write('x')\n"
+               "        os._exit(0)\n    print('first')\nelse:\n    time.sleep(1.0)\n"
+               "    print('clean' if not os.path.exists('/sandbox/late') else 'leftover')")
+    tests = {"stdio": [{"input": "first", "output": "first"}, {"input": "second", "output": "clean"}]}
+    assert code_reward(fenced(program), tests) == 1.0
