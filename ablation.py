@@ -3,6 +3,7 @@ Figures 1-3 (mean ± std over seeds).
 
     python ablation.py                        # the aggregation lab on the CPU: 3 rules x 3 seeds
     python ablation.py --model lab-nogap      # the control: the same lengths, no sign-length gap
+    python ablation.py --model lab-nogap-hi   # the same control, above 50% accuracy
     python ablation.py --model Qwen/Qwen2.5-Math-7B --seeds 1 --out runs/ablation-7b \\
         --eval-args "--benchmarks aime24,amc23,math500 --template dapo --n 8" \\
         -- --dataset BytedTsinghua-SIA/DAPO-Math-17k --template dapo    # paper scale (args after -- go to the trainer)
@@ -43,8 +44,9 @@ def main() -> None:
     train_extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="lab", help="'lab', 'lab-nogap', 'demo', a checkpoint or a hub id")
-    p.add_argument("--aggs", nargs="+", default=["seq", "token", "balanced"], choices=["seq", "token", "balanced"])
+    p.add_argument("--model", default="lab", help="'lab', 'lab-nogap(-hi)', 'demo', a checkpoint or a hub id")
+    p.add_argument("--aggs", nargs="+", default=["seq", "token", "balanced"],
+                   choices=["seq", "token", "balanced", "balanced-batch"])
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--nproc", type=int, default=None, help="ranks per run (default: GPUs, or 2 on the CPU)")
     p.add_argument("--out", default=None, help="default runs/ablation-MODEL")

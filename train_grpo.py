@@ -68,17 +68,18 @@ DEMO_DEFAULTS = dict(
 # The aggregation lab (data/demo.py): the same task, with responses of 5-35 tokens whose failures
 # ramble longer; output in runs/lab-AGG (or runs/lab-nogap-AGG), a checkpoint every 10 steps.
 LAB_DEFAULTS = {**DEMO_DEFAULTS, "max_response_len": 48, "save_interval": 10, "output_dir": None}
-OFFLINE_DEFAULTS = {"demo": DEMO_DEFAULTS, "lab": LAB_DEFAULTS, "lab-nogap": LAB_DEFAULTS}
+OFFLINE_DEFAULTS = {"demo": DEMO_DEFAULTS, "lab": LAB_DEFAULTS, "lab-nogap": LAB_DEFAULTS, "lab-nogap-hi": LAB_DEFAULTS}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", default="demo", help="HF model id or local dir; 'demo', 'lab', 'lab-nogap': the offline policies")
+    a("--model", default="demo", help="HF model id or local dir; 'demo', 'lab', 'lab-nogap(-hi)': offline policies")
     a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="prepared .jsonl/.parquet, HF name, or 'demo'")
     a("--eval-dataset", default=None, help="held-out prompts scored every --eval-interval steps")
     a("--template", default="dapo", choices=["plain", "chat", "boxed", "dapo"])
-    a("--agg", default="balanced", choices=["seq", "token", "balanced"], help="loss aggregation rule")
+    a("--agg", default="balanced", choices=["seq", "token", "balanced", "balanced-batch"],
+      help="loss aggregation rule (balanced-batch: this project's variant, README)")
     a("--group-size", type=int, default=16, help="G: responses sampled per prompt")
     a("--prompts-per-step", type=int, default=512, help="prompts per rollout batch, over all ranks")
     a("--minibatches", type=int, default=16, help="optimizer updates per rollout batch")
@@ -175,13 +176,21 @@ def group_advantages(
     return adv.view(-1)
 
 
-def aggregation_weights(advantages: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str) -> torch.Tensor:
+def aggregation_weights(
+    advantages: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str,
+    batch_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Weights w_i with loss = sum_i w_i sum_t l_it; per group, then averaged over groups.
 
     seq:      (1/G) sum_i (1/L_i) sum_t l_it                 -> w_i = 1 / (G L_i)
     token:    sum_i sum_t l_it / sum_i L_i                   -> w_i = 1 / sum_g L
     balanced: sum_{S in P,N,Z nonempty} (|S|/G) sum_{i in S} sum_t l_it / sum_{i in S} L_i
               with P: A>0, N: A<0, Z: A=0                    -> w_i = |S_i| / (G sum_{S_i} L)
+    balanced-batch (this project's variant, not the paper's): balanced with each subset's mean
+              length taken over the whole batch, Lbar_S = mean of L over the batch's responses
+              of S's sign (`batch_lengths`: sign_lengths summed over ranks; default: these
+              responses)                                     -> w_i = 1 / (G Lbar_{S_i})
+              A subset's weight is |S|/G only in expectation, not in every group.
     """
     A = advantages.view(-1, group_size)
     L = lengths.view(-1, group_size).to(torch.float64).clamp(min=1)  # an empty response has no terms anyway
@@ -195,9 +204,22 @@ def aggregation_weights(advantages: torch.Tensor, lengths: torch.Tensor, group_s
             count = subset.sum(dim=1, keepdim=True)
             tokens = (L * subset).sum(dim=1, keepdim=True).clamp(min=1)
             w = torch.where(subset, count / (group_size * tokens), w)
+    elif agg == "balanced-batch":
+        sums = sign_lengths(advantages, lengths) if batch_lengths is None else batch_lengths
+        mean = sums[:, 0] / sums[:, 1].clamp(min=1)
+        w = torch.zeros_like(L)
+        for subset, mean_len in zip((A > 0, A < 0, A == 0), mean.clamp(min=1).tolist()):
+            w = torch.where(subset, 1.0 / (group_size * mean_len), w)
     else:
         raise ValueError(f"unknown aggregation {agg!r}")
     return (w / A.shape[0]).view(-1)  # mean over the groups of the batch
+
+
+def sign_lengths(advantages: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[[tokens, responses]] of the A>0, A<0 and A=0 responses; masked (L=0) responses not counted."""
+    L, kept = lengths.to(torch.float64), lengths > 0
+    return torch.tensor([[L[s & kept].sum().item(), (s & kept).sum().item()]
+                         for s in (advantages > 0, advantages < 0, advantages == 0)], dtype=torch.float64)
 
 
 def policy_loss_per_token(
@@ -1016,6 +1038,9 @@ def main(argv: list[str] | None = None) -> None:
         # No learning signal anywhere (every group has zero reward variance, no KL term):
         # skip the update rather than let AdamW's momentum and decay move the weights.
         signal_ = all_reduce([float(bool((adv != 0).any()) or args.kl_coef > 0)], op="max")
+        kept = torch.where(torch.tensor([r["truncated"] for r in rollouts]), 0, lengths) if args.mask_truncated \
+            else lengths
+        batch_lengths = all_reduce(sign_lengths(adv, kept)) if args.agg == "balanced-batch" else None
         for mb in range(args.minibatches if signal_.item() else 0):
             part = rollouts[mb * per_mb : (mb + 1) * per_mb]
             a, L = adv[mb * per_mb : (mb + 1) * per_mb], lengths[mb * per_mb : (mb + 1) * per_mb]
@@ -1023,7 +1048,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.mask_truncated:  # overlong filtering: truncated responses carry no loss and no tokens
                 masked = torch.tensor([r["truncated"] for r in part])
                 L = torch.where(masked, 0, L)
-            w = aggregation_weights(a, L, args.group_size, args.agg) / world
+            w = aggregation_weights(a, L, args.group_size, args.agg, batch_lengths) / world
             if args.mask_truncated:
                 w = torch.where(masked, 0.0, w)
             s = update_minibatch(engine, part, w, args, world, device)

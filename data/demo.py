@@ -13,9 +13,12 @@ rewards.py's math reward like any real task. They differ in how they answer:
   lab-nogap   the control: " wait wait ... \\boxed{c}", the same length distribution drawn
               independently of correctness, one ramble word before the answer, and the demo's
               off-by-one failures.
+  lab-nogap-hi  the same control, warmed up further (from lab-nogap) on targets that are right
+              with probability 0.8 instead of 0.3, with the same length distribution: the control
+              above 50% accuracy (README "Is balanced aggregation length-neutral?").
 
 The warm-up is deliberately imperfect: supervised targets are the right sum only with
-probability `P_CORRECT`, otherwise wrong (off by one in the demo, the first operand in the lab).
+probability `P_CORRECT[task]`, otherwise wrong (off by one in the demo, the first operand in the lab).
 The policy therefore learns to add but samples the right answer only ~P_CORRECT of the time,
 which is exactly the situation GRPO fixes.
 
@@ -46,13 +49,15 @@ import torch
 
 from data.templates import render_prompt
 
-TASKS = ("demo", "lab", "lab-nogap")
+TASKS = ("demo", "lab", "lab-nogap", "lab-nogap-hi")
 SHIPPED = Path(__file__).resolve().parent / "offline"
 ROOT = Path(os.environ.get("GRPO_DEMO_DIR", Path(__file__).resolve().parent.parent / ".cache" / "offline"))
 MAX_OPERAND = 49
-P_CORRECT = 0.3
+P_CORRECT = {"demo": 0.3, "lab": 0.3, "lab-nogap": 0.3, "lab-nogap-hi": 0.95}
+P_SHORT = 0.3  # the share of short rambles (lab: the right answers; the controls: an independent draw)
 RAMBLE_SHORT, RAMBLE_LONG = (1, 10), (6, 30)  # k ramble tokens before the answer (lab)
-SFT_STEPS, SFT_BATCH, SFT_LR = {"demo": 1500, "lab": 400, "lab-nogap": 1500}, 128, 2e-3
+SFT_STEPS, SFT_BATCH, SFT_LR = {"demo": 1500, "lab": 400, "lab-nogap": 1500, "lab-nogap-hi": 2000}, 128, 2e-3
+WARM_START = {"lab": "demo", "lab-nogap-hi": "lab-nogap"}  # built on a shipped policy (its tokenizer too)
 SEED = 1234
 
 
@@ -74,16 +79,16 @@ def split_pairs(seed: int = SEED) -> tuple[list[tuple[int, int]], list[tuple[int
 
 
 def sft_response(task: str, a: int, b: int, rng: random.Random) -> str:
-    """A warm-up target: right with probability P_CORRECT, else wrong. The lab policies ramble
+    """A warm-up target: right with probability P_CORRECT[task], else wrong. The lab policies ramble
     k tokens, " so" with a right answer and " wait" with a wrong one (the first token commits, as
     in long chain-of-thought), for a length that depends on correctness (lab: short when right,
-    long when wrong) or not (lab-nogap)."""
-    right = rng.random() < P_CORRECT
+    long when wrong) or not (the lab-nogap controls)."""
+    right = rng.random() < P_CORRECT[task]
     if task == "demo":
         return f" \\boxed{{{a + b if right else a + b + rng.choice((-1, 1))}}}"
-    short = right if task == "lab" else rng.random() < P_CORRECT  # nogap: same lengths, independent draw
+    short = right if task == "lab" else rng.random() < P_SHORT  # nogap: same lengths, independent draw
     k = rng.randint(*(RAMBLE_SHORT if short else RAMBLE_LONG))
-    if task == "lab-nogap":
+    if task.startswith("lab-nogap"):
         # One word, the ramble before the answer (its length is sampled before the answer is), the
         # demo's off-by-one failures: nothing ties the length to the reward. (With the ramble after
         # the answer, a 2-layer model rambles longer after a sampled wrong digit: a gap of ~10%.)
@@ -119,7 +124,9 @@ def train_tokenizer(corpus: list[str]):
 def build(task: str, out: Path) -> None:
     """Warm up `task`'s policy and save it (bf16) to out/. The demo and lab-nogap are trained from
     nothing (their tokenizers too); the lab starts from the demo (data/offline/demo), which
-    already adds, with its two ramble words added to the vocabulary as single tokens."""
+    already adds, with its two ramble words added to the vocabulary as single tokens; lab-nogap-hi
+    starts from lab-nogap, which adds across a ramble (trained from nothing on its 0.8 targets, a
+    2-layer model did not learn to: 1.7% accuracy)."""
     from tokenizers import AddedToken
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -131,7 +138,7 @@ def build(task: str, out: Path) -> None:
     # train_pairs and accuracy is measured on the held-out test_pairs.
     all_pairs = train_pairs + test_pairs
     prompt = {ab: render_prompt(f"What is {ab[0]}+{ab[1]}?", "plain") for ab in all_pairs}
-    if task != "lab":
+    if task not in WARM_START:
         corpus = [prompt[ab] + sft_response(task, *ab, rng) for ab in all_pairs[:500]]
         corpus += ["Answer: \\boxed{} \\frac{1}{2} Question: What is the value of x?"]
         tokenizer = train_tokenizer(corpus)
@@ -142,9 +149,10 @@ def build(task: str, out: Path) -> None:
             pad_token_id=tokenizer.pad_token_id,
         ))
     else:
-        tokenizer = AutoTokenizer.from_pretrained(SHIPPED / "demo")
-        tokenizer.add_tokens([AddedToken(w, normalized=False) for w in (" so", " wait")])  # unused embedding rows
-        model = AutoModelForCausalLM.from_pretrained(SHIPPED / "demo", dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(SHIPPED / WARM_START[task])
+        if task == "lab":
+            tokenizer.add_tokens([AddedToken(w, normalized=False) for w in (" so", " wait")])  # unused embedding rows
+        model = AutoModelForCausalLM.from_pretrained(SHIPPED / WARM_START[task], dtype=torch.float32)
     eos = tokenizer.eos_token_id
     prompt_ids = {ab: tokenizer(p)["input_ids"] for ab, p in prompt.items()}
     response_ids = {}  # memoised: the same few thousand response strings recur

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from train_grpo import aggregation_weights, group_advantages, policy_loss_per_token
+from train_grpo import aggregation_weights, group_advantages, policy_loss_per_token, sign_lengths
 
 F = lambda *x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
 
@@ -25,7 +25,7 @@ def test_balanced_with_zero_advantage_subset_and_group_mean():
     torch.testing.assert_close(w, F(1 / 8, 1 / 24, 1 / 24, 1 / 24, 1 / 4, 1 / 4, 1 / 4, 1 / 4) / 2)
 
 
-@pytest.mark.parametrize("agg", ["seq", "token", "balanced"])
+@pytest.mark.parametrize("agg", ["seq", "token", "balanced"])  # balanced-batch: only in expectation
 def test_weights_sum_to_one_per_group_average(agg):
     g = torch.Generator().manual_seed(0)
     adv = torch.randn(6 * 5, generator=g, dtype=torch.float64)
@@ -33,6 +33,38 @@ def test_weights_sum_to_one_per_group_average(agg):
     w = aggregation_weights(adv, L, 5, agg)
     # each rule is a weighted mean of token terms: the weights of all tokens sum to 1
     assert (w * L).sum().item() == pytest.approx(1.0)
+
+
+def test_balanced_batch_normalises_each_sign_by_its_batch_mean_length():
+    # group 1: P = {0, 1}, N = {2, 3}; group 2: P = {4}, N = {5, 6, 7}
+    adv = F(1, 1, -1, -1, 1, -1, -1, -1)
+    L = torch.tensor([2, 4, 6, 8, 3, 10, 2, 6])
+    # batch means: P (2 + 4 + 3) / 3 = 3, N (6 + 8 + 10 + 2 + 6) / 5 = 6.4; w = 1 / (G Lbar) / 2 groups
+    want = torch.where(adv > 0, 1 / (4 * 3.0), 1 / (4 * 6.4)).double() / 2
+    torch.testing.assert_close(aggregation_weights(adv, L, 4, "balanced-batch"), want)
+    # the batch means over ranks: each rank's sums, added, give the same weights as the whole batch
+    halves = sign_lengths(adv[:4], L[:4]) + sign_lengths(adv[4:], L[4:])
+    torch.testing.assert_close(aggregation_weights(adv[:4], L[:4], 4, "balanced-batch", halves) / 2, want[:4])
+    # masked (L = 0) responses do not count in the means, and carry no weight
+    assert sign_lengths(F(1, -1), torch.tensor([0, 5])).tolist() == [[0, 0], [5, 1], [0, 0]]
+    # a group whose subsets have the batch's mean lengths weighs them exactly as balanced does
+    same = torch.tensor([3, 3, 6, 6, 3, 6, 6, 6])
+    torch.testing.assert_close(aggregation_weights(adv, same, 4, "balanced-batch"),
+                               aggregation_weights(adv, same, 4, "balanced"))
+
+
+def test_balanced_batch_keeps_the_coupling_removed_in_expectation():
+    # Figure 2's property holds for balanced-batch only in expectation: per batch the on-policy loss
+    # is not 0, but over many batches with sign-coupled lengths it is ~0, unlike token-agg's
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(200):
+        rewards = (torch.rand(32 * 8, generator=g) < 0.4).double()
+        lengths = torch.where(rewards > 0, torch.randint(50, 150, (256,), generator=g),
+                              torch.randint(200, 400, (256,), generator=g))
+        losses.append(pg_loss_at_ratio_one(rewards, lengths, "balanced-batch", 8))
+    assert max(abs(x) for x in losses) > 1e-3  # not exactly zero batch by batch
+    assert abs(sum(losses) / len(losses)) < 3e-3  # token-agg's loss on such batches: > 0.1 (figure 2 test)
 
 
 def test_all_rules_coincide_when_lengths_are_equal():
@@ -108,3 +140,21 @@ def test_chunked_logprobs_equal_the_full_softmax(chunk):
     torch.testing.assert_close(grads[1], head.weight.grad)
     assert "forward" not in head.__dict__ and head(h).shape == (23, 50)  # the module is itself again
     assert chunked_logprobs(head, h[:0], t[:0], 1.0, chunk).shape == (0,)
+
+
+def test_length_drift_push_on_the_stopping_decision():
+    from length_drift import hazard_push, simulated_push
+
+    # one group, A = +-1/sqrt(2); hazard of lengths {1, 2}: h_1 = 1/2, h_2 = 1, so H(1) = 0.5, H(2) = 1.5;
+    # seq: w = 1/(G L) = (1/2, 1/4): push = 1/2 a (1 - 0.5) + 1/4 (-a) (1 - 1.5)
+    a = 2**-0.5 / (1 + 1e-6 * 2**0.5)
+    push = hazard_push(F(1, 0), torch.tensor([1, 2]), 2, "seq")
+    assert push == pytest.approx(0.25 * a + 0.125 * a)
+    # lengths independent of rewards: no push from seq or token; balanced pushes towards stopping when
+    # successes are the minority and away from it when they are the majority; balanced-batch ~ not
+    L = torch.arange(6, 36)
+    rules = ("seq", "token", "balanced", "balanced-batch")
+    low = {agg: simulated_push(L, 0.22, 8, agg, groups=16_000) for agg in rules}
+    high = simulated_push(L, 0.78, 8, "balanced", groups=16_000)
+    assert low["balanced"] > 10 * max(abs(low["seq"]), abs(low["token"]), abs(low["balanced-batch"]))
+    assert high < 0 and abs(high + low["balanced"]) < 0.3 * low["balanced"]

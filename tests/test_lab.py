@@ -19,7 +19,7 @@ def ramble(text: str) -> int:
     return text.count(" so") + text.count(" wait")
 
 
-@pytest.mark.parametrize("task", ["lab", "lab-nogap"])
+@pytest.mark.parametrize("task", ["lab", "lab-nogap", "lab-nogap-hi"])
 def test_warm_up_targets_couple_length_to_correctness_only_in_the_lab(task):
     rng = random.Random(0)
     right, wrong = [], []
@@ -27,7 +27,7 @@ def test_warm_up_targets_couple_length_to_correctness_only_in_the_lab(task):
         a, b = rng.randrange(50), rng.randrange(50)
         text = demo.sft_response(task, a, b, rng)
         (right if f"\\boxed{{{a + b}}}" in text else wrong).append(ramble(text))
-    assert len(right) / 4000 == pytest.approx(demo.P_CORRECT, abs=0.03)
+    assert len(right) / 4000 == pytest.approx(demo.P_CORRECT[task], abs=0.03)
     gap = sum(wrong) / len(wrong) - sum(right) / len(right)
     if task == "lab":
         assert gap > 8  # U{6..30} against U{0..10}: 18 - 5 = 13 " wait" tokens

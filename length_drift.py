@@ -1,0 +1,158 @@
+"""Is an aggregation rule length-neutral? Each rule's expected push on the stopping decision, next to
+the length drift it produced in training (README "Is balanced aggregation length-neutral?").
+
+    python length_drift.py runs/ablation-lab-nogap-hi        # an ablation.py output directory
+    python length_drift.py --model lab-nogap-hi --simulate   # before training: the initial policy alone
+
+The model. A policy that stops at position t with probability h_t (one logit per position) gets,
+from an on-policy GRPO step with weights w_i and advantages A_i, the gradient
+    g_t = sum_i w_i A_i ([L_i = t] - h_t [L_i >= t])
+on the logit of stopping at t; summed over t, the push towards stopping (positive: shorter) is
+    push = sum_i w_i A_i (1 - H(L_i)),   H(L) = sum_{t <= L} h_t,
+with w_i from train_grpo.aggregation_weights (the trainer's own rules) and h_t the empirical hazard
+of the lengths at hand. When lengths are independent of rewards, E[push] = 0 for seq and token
+(A_i is independent of every length and sums to 0 per group); balanced normalises each sign subset
+by its own mean length, whose inverse is larger in expectation for the smaller subset (Jensen).
+
+The data. evaluate.py caches, for every checkpoint of every run, n samples per held-out prompt at
+the training temperature (ablation.py: n = 8 = G): groups of the policy's own responses. For each
+checkpoint this prints the push of every rule on those groups as they are, and in expectation with
+the lengths shuffled across the checkpoint's responses (length independent of reward: the rule's own
+term), next to the training metrics of the runs (mean response length, accuracy) at that step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+RULES = ["seq", "token", "balanced", "balanced-batch"]
+
+
+def hazard_push(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str,
+                population: torch.Tensor | None = None, batch_groups: int = 32) -> float:
+    """sum_i w_i A_i (1 - H(L_i)) per group (groups: consecutive runs of group_size responses),
+    with the hazard of the `population` lengths (default: these) and the weights of rollout
+    batches of `batch_groups` groups (the lab's 32 prompts per step)."""
+    from train_grpo import aggregation_weights, group_advantages
+
+    L, pop = lengths.long(), (lengths if population is None else population).long()
+    counts = torch.bincount(pop, minlength=int(max(L.max(), pop.max())) + 1).double()
+    at_risk = counts.flip(0).cumsum(0).flip(0)  # #{L >= t}
+    cum_hazard = (counts / at_risk.clamp(min=1)).cumsum(0)
+    adv = group_advantages(rewards.double(), group_size)
+    size = batch_groups * group_size
+    w = torch.cat([aggregation_weights(adv[i : i + size], L[i : i + size], group_size, agg) * len(adv[i : i + size])
+                   for i in range(0, len(L), size)]) / len(L)  # every batch's mean over its groups, then over batches
+    return float((w * adv * (1 - cum_hazard[L])).sum())
+
+
+def shuffled_push(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str, draws: int = 200) -> float:
+    """E[push] with the lengths permuted across all responses: length independent of reward."""
+    g = torch.Generator().manual_seed(0)
+    return sum(hazard_push(rewards, lengths[torch.randperm(len(lengths), generator=g)], group_size, agg, lengths)
+               for _ in range(draws)) / draws
+
+
+def simulated_push(lengths: torch.Tensor, accuracy: float, group_size: int, agg: str, groups: int = 64_000) -> float:
+    """E[push] per group for binary rewards ~ Bernoulli(accuracy) and lengths drawn from `lengths`."""
+    g = torch.Generator().manual_seed(0)
+    r = (torch.rand(groups * group_size, generator=g) < accuracy).double()
+    L = lengths[torch.randint(len(lengths), (groups * group_size,), generator=g)]
+    return hazard_push(r, L, group_size, agg, population=lengths)
+
+
+def checkpoint_samples(ckpt: str, eval_args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(rewards, lengths, n) of a checkpoint's cached samples: lengths in tokens with the EOS."""
+    from transformers import AutoTokenizer
+
+    from evaluate import cache_dir
+
+    files = sorted(cache_dir(ckpt, eval_args).glob("*.samples*.jsonl"))
+    rows = [json.loads(x) for f in files for x in f.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "responses" in r]
+    if not rows:
+        raise ValueError(f"{ckpt}: no cached samples (run evaluate.py on it with the same settings first)")
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    texts = [t for r in rows for t in r["responses"]]
+    lengths = torch.tensor([len(x) + 1 for x in tok(texts, add_special_tokens=False)["input_ids"]])
+    rewards = torch.tensor([s for r in rows for s in r["scores"]], dtype=torch.float64)
+    return rewards, lengths, len(rows[0]["scores"])
+
+
+def training_metric(runs: list[Path], key: str, step: int) -> list[float]:
+    """The runs' logged `key` at the rollout of `step` (metrics.jsonl), one value per run."""
+    out = []
+    for run in runs:
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        out += [m[key] for m in lines if m["step"] == step and key in m]
+    return out
+
+
+def mean_std(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    m = sum(xs) / len(xs)
+    s = (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
+    return f"{m:.1f} ± {s:.1f}"
+
+
+def main() -> None:
+    from ablation import LAB_EVAL
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ablation", nargs="?", help="an ablation.py output directory (runs MODEL-AGG-sSEED inside)")
+    p.add_argument("--model", help="with --simulate: the policy whose cached samples give the lengths")
+    p.add_argument("--simulate", action="store_true", help="E[push] at accuracies 0.1..0.9 over the lengths")
+    p.add_argument("--eval-args", default=LAB_EVAL, help="evaluate.py settings the samples were cached with")
+    args = p.parse_args()
+    if (args.ablation is None) == (args.model is None):
+        p.error("give an ablation directory or --model")
+    import evaluate
+
+    ev = evaluate.parse_args(["--run", "x", *shlex.split(args.eval_args)])
+    if args.model:
+        from data.demo import model_dir
+
+        rewards, lengths, n = checkpoint_samples(model_dir(args.model), ev)
+        print(f"{args.model}: accuracy {rewards.mean():.3f}, mean length {lengths.double().mean():.1f}, "
+              f"length CV {lengths.double().std() / lengths.double().mean():.2f} ({len(lengths)} samples)")
+        print("| accuracy | " + " | ".join(RULES) + " |\n|---|" + "---|" * len(RULES))
+        for acc in (0.1, 0.22, 0.3, 0.5, 0.7, 0.78, 0.9):
+            print(f"| {acc:.2f} | " + " | ".join(f"{simulated_push(lengths, acc, n, a):+.4f}" for a in RULES) + " |")
+        return
+
+    runs = sorted(p for p in Path(args.ablation).iterdir() if (p / "args.json").exists())
+    by_agg = defaultdict(list)
+    for run in runs:
+        by_agg[json.loads((run / "args.json").read_text())["agg"]].append(run)
+    print(f"{args.ablation}: push towards stopping (x1000; + shorter, - longer) on each checkpoint's cached groups, "
+          "as sampled / with lengths shuffled; training length and accuracy at that step (mean ± std over seeds)\n")
+    print("| rule | step | accuracy | mean length | push as sampled | push, lengths shuffled | "
+          "train length (next rollout) | train accuracy |\n|---|---|---|---|---|---|---|---|")
+    for agg, group in by_agg.items():
+        per_step = defaultdict(list)
+        for run in group:
+            for step, ckpt in evaluate.run_checkpoints(str(run)):
+                per_step[step].append(checkpoint_samples(ckpt, ev))
+        for step, samples in sorted(per_step.items()):
+            acc = [float(r.mean()) for r, _, _ in samples]
+            mean_len = [float(L.double().mean()) for _, L, _ in samples]
+            push = [1000 * hazard_push(r, L, n, agg) for r, L, n in samples]
+            shuf = [1000 * shuffled_push(r, L, n, agg, draws=50) for r, L, n in samples]
+            train_len = training_metric(group, "length/mean", step + 1)
+            train_acc = [100 * x for x in training_metric(group, "reward/accuracy", step + 1)]
+            print(f"| {agg} | {step} | {mean_std([100 * a for a in acc])} | {mean_std(mean_len)} | "
+                  f"{mean_std(push)} | {mean_std(shuf)} | {mean_std(train_len)} | {mean_std(train_acc)} |")
+
+
+if __name__ == "__main__":
+    main()
