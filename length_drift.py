@@ -134,7 +134,14 @@ def main() -> None:
     by_agg = defaultdict(list)
     for run in runs:
         by_agg[json.loads((run / "args.json").read_text())["agg"]].append(run)
-    print(f"{args.ablation}: push towards stopping (x1000; + shorter, - longer) on each checkpoint's cached groups, "
+    steps = [1, 5, 10, 20, 30, 40]
+    print(f"{args.ablation}: mean response length of the training rollouts (mean ± std over seeds)\n")
+    print("| rule | " + " | ".join(f"step {s}" for s in steps) + " | steps 36-40 |\n|---|" + "---|" * (len(steps) + 1))
+    for agg, group in by_agg.items():
+        late = [sum(training_metric([run], "length/mean", s)[0] for s in range(36, 41)) / 5 for run in group]
+        print(f"| {agg} | " + " | ".join(mean_std(training_metric(group, "length/mean", s)) for s in steps)
+              + f" | {mean_std(late)} |")
+    print(f"\n{args.ablation}: push towards stopping (x1000; + shorter, - longer) on each checkpoint's cached groups, "
           "as sampled / with lengths shuffled; training length and accuracy at that step (mean ± std over seeds)\n")
     print("| rule | step | accuracy | mean length | push as sampled | push, lengths shuffled | "
           "train length (next rollout) | train accuracy |\n|---|---|---|---|---|---|---|---|")
