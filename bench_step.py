@@ -72,6 +72,7 @@ def parse_args() -> argparse.Namespace:
     # the trainer's flags that its functions read
     args.temperature, args.top_p = 1.0, 1.0
     args.clip_eps_low, args.clip_eps_high, args.kl_coef = 0.2, 0.28, 0.0
+    args.rollout_correction, args.rollout_correction_cap, args.peak_tflops = "none", 2.0, None
     args.prompts_per_step, args.minibatches, args.lr, args.weight_decay = 0, 1, 1e-6, 0.0
     args.lr_warmup_steps, args.ds_config, args.seed = 0, str(ROOT / "ds_config.json"), 0
     args.vllm_gpu_memory, args.reward_workers = 0.3, 4
@@ -332,10 +333,9 @@ def main() -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations import HfDeepSpeedConfig
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from rewards import compute_rewards
+    from rewards import compute_rewards, reference
 
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -362,9 +362,9 @@ def main() -> None:
     results = {"world": world, "device": "cuda" if cuda else "cpu", "model": args.model}
 
     # rollout: identical prompts and sampling parameters; first call of each warms up
-    params = [SamplingParams(n=args.group_size, temperature=1.0, top_p=1.0, max_tokens=args.max_response_len,
-                             seed=T.sampling_seed(0, 1, rank * len(rows) + j, args.group_size))
-              for j in range(len(rows))]
+    # the trainer's sampling parameters, with the sampled tokens' log-probs (T.rollout)
+    params = T.sampling_params(args.group_size, 1.0, 1.0, args.max_response_len, 0, 1,
+                               range(rank * len(rows), (rank + 1) * len(rows)), logprobs=0)
     bare_prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows]
     outputs = None
 
@@ -383,7 +383,7 @@ def main() -> None:
     n = args.reward_workers  # every worker up, math-verify imported: one-offs, not a step's cost
     compute_rewards(["\\boxed{1/2}"] * n, ["0.5"] * n, ["math"] * n, n)
     t0 = time.perf_counter()
-    scores = compute_rewards([r["text"] for r in rollouts], [T.reference(r["row"]) for r in rollouts],
+    scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
                              [r["row"]["kind"] for r in rollouts], args.reward_workers)
     t_reward = time.perf_counter() - t0
     adv = T.group_advantages(torch.tensor(scores, dtype=torch.float64), args.group_size)
@@ -391,19 +391,22 @@ def main() -> None:
     for r, a in zip(rollouts, adv.tolist()):
         r["advantage"] = a
     lengths = torch.tensor([r["length"] for r in rollouts])
-    w = T.aggregation_weights(adv, lengths, args.group_size, "balanced") / world
+    w = T.aggregation_weights(adv, lengths, args.group_size, "balanced")
     engine.train()
-    T.update_minibatch(engine, rollouts, w, args, world, device)  # warm-up: optimizer state, traces
+    T.update_minibatch(engine, rollouts, w, args, device)  # warm-up: optimizer state, traces
     bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device)
     t_update, t_bare_update = best_of_pair(
-        args.repeats, lambda: T.update_minibatch(engine, rollouts, w, args, world, device),
+        args.repeats, lambda: T.update_minibatch(engine, rollouts, w, args, device),
         lambda: bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device))
-    # model FLOPs of the update, ~6 x params x tokens (forward 2, backward 4; attention left out)
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    flops = 6 * n_params * sum(len(r["tokens"]) for r in rollouts)
+    # the trainer's perf/ metrics: model FLOPs (6 N per token + attention), MFU on CUDA
+    model_flops, peak = T.model_flops_fn(engine, args.peak_tflops)
+    flops = model_flops([len(r["tokens"]) for r in rollouts])
+    n_tokens = sum(len(r["tokens"]) for r in rollouts)
     results["update"] = {"trainer_s": t_update, "bare_s": t_bare_update, "ratio": t_update / t_bare_update,
                          "padding_share": padding_share(rollouts, args.micro_batch_size),
-                         "params": n_params, "gflop_per_s": flops / t_update / 1e9}
+                         "tflop_per_s": flops / t_update / 1e12, "mfu": flops / t_update / peak if peak else None,
+                         "train_tokens_per_s": n_tokens / t_update,
+                         "gen_tokens_per_s": sum(r["length"] for r in rollouts) / t_trainer}
 
     t_sync = best_of(args.repeats, lambda: T.sync_weights_to_vllm(engine, llm))
     step = t_trainer + t_reward + t_update + t_sync
@@ -440,8 +443,10 @@ def main() -> None:
         print(f"| update | {r['update']['trainer_s']:.3f} s | {r['update']['bare_s']:.3f} s | "
               f"{r['update']['ratio']:.3f} | <= {TARGETS['update']} "
               f"(padding share {r['update']['padding_share']:.3f}) |")
-        print(f"| update throughput | {r['update']['gflop_per_s']:.1f} GFLOP/s per rank | | | "
-              f"(6 x {r['update']['params'] / 1e6:.2f}M params x tokens) |")
+        u = r["update"]
+        mfu = f"MFU {u['mfu']:.3f}" if u["mfu"] is not None else "MFU: CUDA only"
+        print(f"| throughput per rank | generated {u['gen_tokens_per_s']:.0f} tok/s, trained "
+              f"{u['train_tokens_per_s']:.0f} tok/s, {u['tflop_per_s'] * 1e3:.1f} GFLOP/s | | | {mfu} |")
         print(f"| weight sync | {r['sync']['sync_s']:.3f} s | step {r['sync']['step_s']:.3f} s | "
               f"{r['sync']['share']:.3f} of step | <= {TARGETS['sync_share']} |")
         for s in r["sync_scaling"]:

@@ -27,11 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: one engine, not one per rank as in training
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_grpo as T  # noqa: E402  (its environment preamble: engines in-process; and the sampling path)
+from data.prepare import is_hub_id  # noqa: E402
 
 PAPER_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
 
@@ -128,7 +127,7 @@ def check_checkpoint(path: str) -> None:
                     pass
             except Exception as e:  # safetensors' own error type
                 raise ValueError(f"{f}: damaged weights ({e})") from None
-    elif path.startswith((".", "/")) or path.count("/") != 1:
+    elif not is_hub_id(path):
         raise ValueError(f"{path}: no such checkpoint directory")
 
 
@@ -171,11 +170,8 @@ def cached_scores(cache: Path, name: str) -> dict[str, list[float]]:
 def sample_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict]], args) -> None:
     """Sample, score and cache the problems of this process's shard not cached yet."""
     from tqdm import tqdm
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    from data.templates import render_prompt
-    from rewards import compute_rewards
+    from data.templates import prompt_ids
 
     cache = cache_dir(ckpt, args)
     cache.mkdir(parents=True, exist_ok=True)
@@ -193,28 +189,21 @@ def sample_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict
         with open(own, "a") as f:
             for start in range(0, len(todo), args.chunk):
                 chunk = todo[start : start + args.chunk]
-                rendered = [render_prompt(r["prompt"], args.template, tokenizer, r["kind"]) for _, r in chunk]
-                ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in rendered]
+                ids = [prompt_ids(r, args.template, tokenizer) for _, r in chunk]
                 # A prompt that leaves no room for the answer in the context scores 0 (counted).
                 too_long = [len(x) + args.max_tokens > max_len for x in ids]
                 for (_, r), skip in zip(chunk, too_long):
                     if skip:
                         rec = {"id": r["id"], "scores": [0.0] * args.n, "skipped": "prompt too long"}
                         f.write(json.dumps(rec) + "\n")
-                chunk = [c for c, skip in zip(chunk, too_long) if not skip]
-                prompts = [TokensPrompt(prompt_token_ids=x) for x, skip in zip(ids, too_long) if not skip]
                 skipped += sum(too_long)
-                params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                                         max_tokens=args.max_tokens, seed=args.seed * 1_000_003 + i * args.n)
-                          for i, _ in chunk]
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                texts = [[c.text for c in o.outputs] for o in outs]
-                refs = [r["answer"] if r["kind"] == "math" else r["tests"] for _, r in chunk]
-                flat = compute_rewards([t for ts in texts for t in ts], [x for x in refs for _ in range(args.n)],
-                                       [r["kind"] for _, r in chunk for _ in range(args.n)], args.reward_workers)
-                for j, (_, r) in enumerate(chunk):
-                    f.write(json.dumps({"id": r["id"], "scores": flat[j * args.n : (j + 1) * args.n],
-                                        "responses": texts[j], "reference": r.get("answer")}) + "\n")
+                chunk = [(i, {**r, "prompt_ids": x}) for (i, r), x, skip in zip(chunk, ids, too_long) if not skip]
+                texts, scores = T.sample_and_score(llm, [r for _, r in chunk], [i for i, _ in chunk], args.n,
+                                                   args.temperature, args.top_p, args.max_tokens, args.seed, 0,
+                                                   args.reward_workers)
+                for (_, r), txt, sc in zip(chunk, texts, scores):
+                    f.write(json.dumps({"id": r["id"], "scores": sc, "responses": txt,
+                                        "reference": r.get("answer")}) + "\n")
                 f.flush()
                 bar.update(len(chunk) + sum(too_long))
         bar.close()
@@ -298,10 +287,8 @@ def run_label(run: str) -> str:
 def group_runs(runs: list[str]) -> dict[str, list[str]]:
     """Runs of one setting (the same arguments but the seed) under one label: the arguments that
     differ between the settings ('token', 'lab-nogap balanced'), or each run alone by its name."""
-    from train_grpo import RUN_ARGS_IGNORED
-
     # what may differ between one run's launches, plus the seed and where it is written
-    same_setting = RUN_ARGS_IGNORED | {"seed", "output_dir"}
+    same_setting = T.RUN_ARGS_IGNORED | {"seed", "output_dir"}
 
     def setting(run: str) -> str:
         a = run_args(run)
@@ -455,7 +442,7 @@ def make_llm(model: str, args):
     from transformers import AutoConfig
     from vllm import LLM
 
-    from train_grpo import vllm_cpu_kwargs
+
 
     kw = dict(tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
     if args.max_model_len:
@@ -464,7 +451,7 @@ def make_llm(model: str, args):
         kw.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory)
     else:
         context = args.max_model_len or getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 4096)
-        kw.update(vllm_cpu_kwargs(context))
+        kw.update(T.vllm_cpu_kwargs(context))
     return LLM(model=model, **kw)
 
 
@@ -472,7 +459,7 @@ def sample_all(pending: list[str], benchmarks: dict[str, list[dict]], args) -> N
     """Sample every pending checkpoint with one engine, swapping the weights in place between them."""
     from transformers import AutoTokenizer
 
-    from train_grpo import load_weights_into_vllm
+
 
     llm = None
     for ckpt in pending:
@@ -482,7 +469,7 @@ def sample_all(pending: list[str], benchmarks: dict[str, list[dict]], args) -> N
         if llm is None:
             llm = make_llm(ckpt, args)
         else:  # same architecture: swap the weights in place instead of a new engine
-            load_weights_into_vllm(llm, weights_path=ckpt)
+            T.load_weights_into_vllm(llm, weights_path=ckpt)
         sample_checkpoint(llm, AutoTokenizer.from_pretrained(ckpt), ckpt, benchmarks, args)
         print(f"[eval] {ckpt}: sampled{'' if args.shard is None else f' (shard {args.shard})'} "
               f"in {time.time() - t0:.0f}s", flush=True)
@@ -563,9 +550,9 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         if args.shard is not None and not torch.cuda.is_available():
-            from train_grpo import pin_cpu_rank
 
-            pin_cpu_rank(args.shard, args.data_parallel_size)  # each CPU engine on its own cores, as ranks are
+
+            T.pin_cpu_rank(args.shard, args.data_parallel_size)  # each CPU engine on its own cores, as ranks are
         sample_all(pending, benchmarks, args)  # this process's engine
         if args.shard is not None:
             return

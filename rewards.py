@@ -842,6 +842,11 @@ def shutdown() -> None:
     _workers.clear()
 
 
+def reference(row: dict):
+    """What a dataset row's responses are scored against: its answer (math) or its tests (code)."""
+    return row["answer"] if row["kind"] == "math" else row["tests"]
+
+
 def compute_rewards(
     responses: list[str], references: list, kinds: list[str], num_workers: int = 4,
     stats: dict | None = None, timeout: float | None = None,

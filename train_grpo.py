@@ -52,7 +52,7 @@ import torch.utils.checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from data.prepare import first_line  # noqa: E402  (an error's first non-empty line, for one-line messages)
+from data.prepare import first_line, is_hub_id  # noqa: E402  (first_line: an error's, for one-line messages)
 
 # -----------------------------------------------------------------------------
 # Hyperparameters. Defaults follow the DAPO recipe (clip-higher 0.2/0.28, lr 1e-6 with
@@ -104,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     a("--max-bad-steps", type=int, default=5, help="consecutive non-finite steps before the run stops")
     a("--mask-truncated", action="store_true", help="no loss on responses cut at --max-response-len (DAPO)")
+    a("--rollout-correction", default="none", choices=["none", "token", "sequence"],
+      help="correct vLLM-vs-trainer mismatch: truncated importance weights per token, or a per-response mask")
+    a("--rollout-correction-cap", type=float, default=2.0, help="C: token weights min(ratio, C); mask [1/C, C]")
+    a("--report-to", nargs="+", default=["tensorboard"], choices=["tensorboard", "wandb"],
+      help="metrics.jsonl always; TensorBoard (tb/) and/or wandb (WANDB_PROJECT, default balanced-grpo)")
+    a("--peak-tflops", type=float, default=None, help="CUDA: the device's peak bf16 TFLOP/s for MFU (default: table)")
     a("--output-dir", default=None, help="default runs/<model>-<agg>")
     a("--seed", type=int, default=42)
     a("--ds-config", default=str(ROOT / "ds_config.json"))
@@ -130,12 +136,13 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     for k in at_least_1:
         if getattr(args, k) < 1:
             raise ValueError(f"{flag(k)} must be at least 1 (got {getattr(args, k)})")
-    for k in ["lr_warmup_steps", "weight_decay", "kl_coef", "keep_last", "clip_eps_high"]:
-        if getattr(args, k) < 0:
+    for k in ["lr_warmup_steps", "weight_decay", "kl_coef", "keep_last", "clip_eps_high", "peak_tflops"]:
+        if (getattr(args, k) or 0) < 0:
             raise ValueError(f"{flag(k)} must be >= 0 (got {getattr(args, k)})")
     ranges = {"lr": (args.lr > 0, "> 0"), "temperature": (args.temperature > 0, "> 0 (sampled groups)"),
               "top_p": (0 < args.top_p <= 1, "in (0, 1]"), "clip_eps_low": (0 <= args.clip_eps_low < 1, "in [0, 1)"),
-              "vllm_gpu_memory": (0 < args.vllm_gpu_memory < 1, "in (0, 1)")}
+              "vllm_gpu_memory": (0 < args.vllm_gpu_memory < 1, "in (0, 1)"),
+              "rollout_correction_cap": (args.rollout_correction_cap > 1, "> 1")}
     for k, (ok, rule) in ranges.items():
         if not ok:
             raise ValueError(f"{flag(k)} must be {rule} (got {getattr(args, k)})")
@@ -152,13 +159,16 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         )
     if not args.model.strip():
         raise ValueError("--model is empty (need a checkpoint dir, a hub id, or demo / lab / lab-nogap)")
-    if args.model not in OFFLINE_DEFAULTS and not os.path.isdir(args.model) and (
-        args.model.startswith((".", "/", "~")) or args.model.count("/") != 1
-    ):
+    if args.model not in OFFLINE_DEFAULTS and not os.path.isdir(args.model) and not is_hub_id(args.model):
         raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir or a hub id)")
     accelerator = os.environ.get("DS_ACCELERATOR")
     if accelerator is not None and accelerator not in ("cuda", "cpu", "xpu", "npu", "mps", "hpu", "mlu"):
         raise ValueError(f"DS_ACCELERATOR={accelerator} is not an accelerator DeepSpeed knows (cpu, cuda, ...)")
+    if "wandb" in args.report_to:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError("--report-to wandb: wandb is not installed (pip install wandb)") from None
 
 
 # -----------------------------------------------------------------------------
@@ -191,6 +201,8 @@ def aggregation_weights(
               of S's sign (`batch_lengths`: sign_lengths summed over ranks; default: these
               responses)                                     -> w_i = 1 / (G Lbar_{S_i})
               A subset's weight is |S|/G only in expectation, not in every group.
+    A response of length 0 (empty, or masked by --mask-truncated) has no terms: w_i = 0, and it adds
+    no tokens to any denominator.
     """
     A = advantages.view(-1, group_size)
     L = lengths.view(-1, group_size).to(torch.float64).clamp(min=1)  # an empty response has no terms anyway
@@ -212,6 +224,7 @@ def aggregation_weights(
             w = torch.where(subset, 1.0 / (group_size * mean_len), w)
     else:
         raise ValueError(f"unknown aggregation {agg!r}")
+    w = torch.where(lengths.view(-1, group_size) > 0, w, 0.0)
     return (w / A.shape[0]).view(-1)  # mean over the groups of the batch
 
 
@@ -222,14 +235,50 @@ def sign_lengths(advantages: torch.Tensor, lengths: torch.Tensor) -> torch.Tenso
                          for s in (advantages > 0, advantages < 0, advantages == 0)], dtype=torch.float64)
 
 
+def loss_weights(advantages: torch.Tensor, rollouts: list[dict], args) -> torch.Tensor:
+    """Every w_i of this rank's rollout batch, all the normalisation in one place: the rule's weights
+    (aggregation_weights; a truncated response under --mask-truncated counts as L_i = 0), as a mean
+    over the groups of each mini-batch. Each rank takes the mean over its own groups; DeepSpeed's
+    average of the gradients over ranks completes the global mean (every rank holds as many groups).
+    """
+    lengths = torch.tensor([0 if args.mask_truncated and r["truncated"] else r["length"] for r in rollouts])
+    batch_lengths = all_reduce(sign_lengths(advantages, lengths)) if args.agg == "balanced-batch" else None
+    w = aggregation_weights(advantages, lengths, args.group_size, args.agg, batch_lengths)
+    return w * args.minibatches  # aggregation_weights averages over all of the batch's groups
+
+
+def rollout_correction(
+    old_logp: torch.Tensor, vllm_logp: torch.Tensor, lengths: torch.Tensor, mode: str, cap: float
+) -> torch.Tensor:
+    """Per-token weights c_t for the rollout-trainer mismatch, rho_t = pi_old(y_t) / pi_vllm(y_t):
+
+    token:    c_t = min(rho_t, C)                                  (truncated importance sampling)
+    sequence: c_t = 1 if exp(mean_t log rho_t) is in [1/C, C], else 0, for all of a response's tokens
+    none:     c_t = 1
+    `lengths`: the tokens of each response, in order. No gradient flows through c.
+    """
+    log_rho = (old_logp - vllm_logp).detach()
+    if mode == "token":
+        return log_rho.exp().clamp(max=cap)
+    if mode == "sequence":
+        owner = torch.repeat_interleave(torch.arange(len(lengths), device=log_rho.device), lengths)
+        total = torch.zeros(len(lengths), dtype=log_rho.dtype, device=log_rho.device).index_add_(0, owner, log_rho)
+        keep = (total / lengths.clamp(min=1)).abs() <= math.log(cap)
+        return keep.to(log_rho.dtype)[owner]
+    return torch.ones_like(log_rho)
+
+
 def policy_loss_per_token(
     logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
-    ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0, correction: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip surrogate with clip-higher: l = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) [+ beta k3]."""
+    """PPO-clip surrogate with clip-higher, times the rollout correction c (default 1):
+    l = -c min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) [+ beta k3 to the reference]."""
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     loss = -torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    if correction is not None:
+        loss = loss * correction
     stats = {
         "clipped": ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0)),
         "approx_kl": (ratio - 1) - log_ratio,  # k3 estimate of KL(old || new)
@@ -317,15 +366,16 @@ def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device
 # The ZeRO-3 update on one mini-batch
 
 
-def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, world: int, device) -> dict[str, float]:
+def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, device) -> dict[str, float]:
     """Accumulate d/dtheta of sum_i w_i sum_t l_it over this rank's share of a mini-batch, then step.
 
-    `weights` already carry the global normalisation, so the rank-local losses sum to the
-    global loss. DeepSpeed averages gradients over ranks, hence the factor `world`, and
-    `scale_wrt_gas=False` stops it from also dividing by the accumulation steps: the
-    gradient is then the same for any number of ranks and any micro-batch size.
+    The weights (loss_weights) carry all the normalisation; `scale_wrt_gas=False` stops DeepSpeed
+    from also dividing by the accumulation steps, so the gradient is the same for any number of
+    ranks and any micro-batch size. Also sums, per token, the rollout-trainer mismatch between the
+    log-probs vLLM sampled with and the trainer's before the update (`old`).
     """
     sums = defaultdict(float)
+    log_cap = math.log(args.rollout_correction_cap)
     order = sorted(range(len(batch)), key=lambda i: len(batch[i]["tokens"]))  # bucket by length
     for start in range(0, len(order), args.micro_batch_size):
         idx = order[start : start + args.micro_batch_size]
@@ -334,14 +384,20 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, wor
         logp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk)
         n_tok = torch.tensor([r["length"] for r in mb], device=device)
         per_token = lambda x: torch.repeat_interleave(x.to(device), n_tok)  # noqa: E731
-        old = torch.cat([r["old_logp"] for r in mb]).to(device) if mb[0]["old_logp"] is not None else logp.detach()
-        ref = torch.cat([r["ref_logp"] for r in mb]).to(device) if args.kl_coef > 0 else None
+        stored = lambda key: torch.cat([r[key] for r in mb]).to(device, logp.dtype)  # noqa: E731
+        old = stored("old_logp") if mb[0]["old_logp"] is not None else logp.detach()
+        vllm = stored("vllm_logp") if mb[0].get("vllm_logp") is not None else old
+        ref = stored("ref_logp") if args.kl_coef > 0 else None
         adv = per_token(torch.tensor([r["advantage"] for r in mb], dtype=logp.dtype))
         w = per_token(weights[idx].to(logp.dtype))
-        loss_t, st = policy_loss_per_token(logp, old, adv, args.clip_eps_low, args.clip_eps_high, ref, args.kl_coef)
+        c = rollout_correction(old, vllm, n_tok, args.rollout_correction, args.rollout_correction_cap)
+        loss_t, st = policy_loss_per_token(logp, old, adv, args.clip_eps_low, args.clip_eps_high, ref, args.kl_coef, c)
         loss = (w * loss_t).sum()
-        engine.backward(loss * world, scale_wrt_gas=False)
+        engine.backward(loss, scale_wrt_gas=False)
         engine.step()
+        gap = old - vllm  # log pi_old / pi_vllm on the tokens vLLM sampled
+        st.update(mismatch_abs=gap.abs(), mismatch_kl=gap.exp() - 1 - gap, mismatch_out=gap.abs() > log_cap,
+                  correction=c)  # mismatch_kl: k3 estimate of KL(pi_vllm || pi_old)
         sums["pg_loss"] += loss.item()
         sums["tokens"] += logp.numel()
         for k, v in st.items():
@@ -414,8 +470,10 @@ def make_vllm(model_path: str, args, rank: int, local_rank: int):
     # external_launcher: one engine per launched rank, on the device of LOCAL_RANK, inside the
     # launcher's process group (CPU and CUDA alike). vLLM's default uniprocess executor would put
     # every rank's engine on cuda:0 and move the rank's current device there.
+    # processed_logprobs: a sampled token's log-prob as sampled, after temperature (and top-p renormalisation)
     llm = LLM(model=model_path, max_model_len=max_len, seed=args.seed + rank, tensor_parallel_size=1,
-              distributed_executor_backend="external_launcher", use_tqdm_on_load=False, **kw)
+              distributed_executor_backend="external_launcher", use_tqdm_on_load=False,
+              logprobs_mode="processed_logprobs", **kw)
     moved = cuda and torch.cuda.current_device() != local_rank
     errors = [e for e in all_gather_objects(
         f"rank {rank}: vLLM's engine moved the current CUDA device to cuda:{torch.cuda.current_device()}, "
@@ -430,8 +488,7 @@ def pin_cpu_rank(local_rank: int, local_world: int) -> None:
 
     vLLM binds threads only for engines in worker processes (VLLM_CPU_OMP_THREADS_BIND does
     nothing in-process); unpinned, every rank runs one thread per core of the machine, and the
-    ranks' spinning OpenMP threads fight over the cores (measured on 2 cores, 2 ranks: the same
-    rollout 2.5-4 x slower than one rank alone).
+    ranks' spinning OpenMP threads fight over the cores (README: Step benchmark).
     A launcher that binds ranks itself (deepspeed --bind_cores_to_rank) sets OMP_NUM_THREADS:
     then it is left alone. Call it before the first parallel torch op, so that every thread
     this rank starts from then on inherits its cores.
@@ -462,7 +519,9 @@ def sync_weights_to_vllm(engine, llm) -> None:
 
     Each parameter is all-gathered (a collective: every rank walks the same order), handed
     to vLLM's loader under its Hugging Face name and released before the next one, so no
-    rank ever holds a second full copy of the model.
+    rank ever holds a second full copy of the model. A sleeping engine (CUDA, after `rollout`)
+    gets its weight memory back first and its KV cache after, once the update's cached blocks
+    are returned to the device.
     """
     import deepspeed
 
@@ -471,7 +530,14 @@ def sync_weights_to_vllm(engine, llm) -> None:
             with deepspeed.zero.GatheredParameters([param]):
                 yield name, param.data
 
+    asleep = torch.cuda.is_available() and llm.llm_engine.is_sleeping()
+    if asleep:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])
     load_weights_into_vllm(llm, weights_iterator=weights())
+    if asleep:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["kv_cache"])
 
 
 def load_weights_into_vllm(llm, weights_iterator=None, weights_path: str | None = None) -> None:
@@ -491,9 +557,20 @@ def _repack_cpu_lm_head(model: torch.nn.Module) -> None:
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
-def sampling_seed(seed: int, step: int, prompt_index: int, group_size: int) -> int:
-    # vLLM gives the j-th of n samples seed+j, so per-prompt seeds are spaced by G.
-    return ((seed * 100_003 + step) * 1_000_003 + prompt_index) * group_size % (2**31 - group_size)
+def sampling_seed(seed: int, step: int, prompt_index: int, n: int) -> int:
+    # vLLM gives the j-th of n samples seed+j, so per-prompt seeds are spaced by n.
+    return ((seed * 100_003 + step) * 1_000_003 + prompt_index) * n % (2**31 - n)
+
+
+def sampling_params(n: int, temperature: float, top_p: float, max_tokens: int, seed: int, step: int,
+                    prompt_indices, logprobs: int | None = None) -> list:
+    """One SamplingParams per prompt, seeded by the prompt's index in the whole set (sampling_seed):
+    its samples do not depend on how the prompts are sharded over ranks or engines. The trainer's
+    rollouts and evaluations and evaluate.py all sample through here."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=logprobs,
+                           seed=sampling_seed(seed, step, i, n)) for i in prompt_indices]
 
 
 # -----------------------------------------------------------------------------
@@ -506,12 +583,11 @@ def load_prompts(
     """Rows with their rendered, tokenized prompt; drops (and counts) over-long prompts.
     train: a training set, deduplicated by prompt (held-out sets are taken as published)."""
     from data.prepare import load_rows
-    from data.templates import render_prompt
+    from data.templates import prompt_ids
 
     rows, dropped = [], 0
     for row in load_rows(spec, train=train):
-        text = render_prompt(row["prompt"], args.template, tokenizer, row["kind"])
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = prompt_ids(row, args.template, tokenizer)
         if len(ids) > args.max_prompt_len:
             dropped += 1
             continue
@@ -523,46 +599,61 @@ def load_prompts(
     return rows, dropped
 
 
-def reference(row: dict):
-    """What a response is scored against: the answer (math) or the tests (code)."""
-    return row["answer"] if row["kind"] == "math" else row["tests"]
-
-
 def generate(llm, rows: list[dict], params: list) -> list:
     from vllm.inputs import TokensPrompt
 
     return llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows], params, use_tqdm=False)
 
 
+def rollout(llm, rows: list[dict], args, step: int, first_index: int) -> list[dict]:
+    """G responses per prompt (prompt j of this rank is prompt first_index + j of the step), each
+    token with the log-prob vLLM sampled it with. On CUDA the engine then sleeps at level 2: its
+    weights are discarded rather than copied to host memory (the sync reloads them anyway) and its
+    KV cache is handed to training."""
+    params = sampling_params(args.group_size, args.temperature, args.top_p, args.max_response_len, args.seed,
+                             step, range(first_index, first_index + len(rows)), logprobs=0)
+    outputs = generate(llm, rows, params)
+    if torch.cuda.is_available():
+        llm.sleep(level=2)
+        torch.cuda.empty_cache()
+    return to_rollouts(rows, outputs)
+
+
 def to_rollouts(rows: list[dict], outputs: list) -> list[dict]:
     """One record per sampled response, G consecutive per prompt; vLLM's token ids as returned."""
+    def sampled_logp(c) -> torch.Tensor | None:
+        return torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) if c.logprobs else None
+
     return [
         {"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
          "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids),
-         "truncated": c.finish_reason == "length", "old_logp": None}
+         "truncated": c.finish_reason == "length", "old_logp": None, "vllm_logp": sampled_logp(c)}
         for row, o in zip(rows, outputs) for c in o.outputs
     ]
 
 
+def sample_and_score(llm, rows: list[dict], prompt_indices: list[int], n: int, temperature: float, top_p: float,
+                     max_tokens: int, seed: int, step: int, workers: int) -> tuple[list[list[str]], list[list[float]]]:
+    """n responses to each row's prompt_ids and their rewards, per row: the one evaluation path of the
+    trainer's in-loop evaluation and of evaluate.py."""
+    from rewards import compute_rewards, reference
+
+    outs = generate(llm, rows, sampling_params(n, temperature, top_p, max_tokens, seed, step, prompt_indices))
+    texts = [[c.text for c in o.outputs] for o in outs]
+    flat = compute_rewards([t for ts in texts for t in ts], [reference(r) for r in rows for _ in range(n)],
+                           [r["kind"] for r in rows for _ in range(n)], workers)
+    return texts, [flat[j * n : (j + 1) * n] for j in range(len(rows))]
+
+
 def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_dir: Path) -> dict[str, float]:
     """Greedy accuracy and sampled Acc@k on this rank's shard of the held-out prompts."""
-    from vllm import SamplingParams
-
-    from rewards import compute_rewards
-
-    shard = rows[rank::world]
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_response_len)
-    g_out = generate(llm, shard, [greedy] * len(shard))
-    s_out = generate(llm, shard, eval_sampling_params(args, step, range(rank, len(rows), world)))
-    g_text = [o.outputs[0].text for o in g_out]
-    s_text = [c.text for o in s_out for c in o.outputs]
-    g_score = compute_rewards(g_text, [reference(r) for r in shard], [r["kind"] for r in shard], args.reward_workers)
-    k = args.eval_samples
-    s_score = compute_rewards(s_text, [reference(r) for r in shard for _ in range(k)],
-                              [r["kind"] for r in shard for _ in range(k)], args.reward_workers)
-    t = all_reduce([sum(g_score), sum(s_score), len(shard), len(s_score)])
-    samples = [{"id": r["id"], "answer": r.get("answer"), "greedy": txt, "score": s}
-               for r, txt, s in zip(shard, g_text, g_score)]
+    shard, idx, k = rows[rank::world], list(range(rank, len(rows), world)), args.eval_samples
+    g_text, g_score = sample_and_score(llm, shard, idx, 1, 0.0, 1.0, args.max_response_len, 0, 0, args.reward_workers)
+    _, s_score = sample_and_score(llm, shard, idx, k, args.temperature, args.top_p, args.max_response_len,
+                                  args.seed + 1, step, args.reward_workers)
+    t = all_reduce([sum(x[0] for x in g_score), sum(map(sum, s_score)), len(shard), k * len(shard)])
+    samples = [{"id": r["id"], "answer": r.get("answer"), "greedy": txt[0], "score": sc[0]}
+               for r, txt, sc in zip(shard, g_text, g_score)]
     gathered = all_gather_objects(samples)
     if rank == 0:
         (out_dir / "eval").mkdir(parents=True, exist_ok=True)
@@ -571,16 +662,6 @@ def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_
                 for s in part:
                     f.write(json.dumps(s) + "\n")
     return {"eval/acc_greedy": (t[0] / t[2]).item(), f"eval/acc@{k}": (t[1] / t[3]).item()}
-
-
-def eval_sampling_params(args, step: int, prompt_indices) -> list:
-    """Sampled-evaluation parameters, one seed per held-out prompt (by its index in the whole
-    set), so every prompt has its own random stream whatever the number of ranks."""
-    from vllm import SamplingParams
-
-    return [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_response_len,
-                           n=args.eval_samples, seed=sampling_seed(args.seed + 1, step, i, args.eval_samples))
-            for i in prompt_indices]
 
 
 def rng_state() -> dict:
@@ -633,8 +714,6 @@ def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dic
         engine.module.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
-    if os.environ.get("GRPO_FAULT_KILL_IN_SAVE") == str(step):  # fault injection for the crash tests
-        os.kill(os.getpid(), 9)
     dist.barrier()
     if rank == 0:
         if final.exists():
@@ -722,7 +801,7 @@ def load_training_state(engine, ckpt: Path, rank: int) -> dict:
 
 # may differ between the launches of one run (the directory is the run, wherever it is)
 RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
-                    "keep_last", "max_bad_steps", "output_dir"}
+                    "keep_last", "max_bad_steps", "output_dir", "report_to", "peak_tflops"}
 
 
 def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
@@ -757,25 +836,16 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
 
 
 def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
-    """Rank-local sums for the paper's diagnostics; reduced over ranks by the caller."""
-    m = dict.fromkeys(["groups", "length_cv", "zero_var_groups", "mixed_groups", "length_gap"], 0.0)
-    for g in range(0, len(rollouts), group_size):
-        grp = rollouts[g : g + group_size]
-        L = torch.tensor([r["length"] for r in grp], dtype=torch.float64)
-        r = torch.tensor([r["reward"] for r in grp], dtype=torch.float64)
-        adv = torch.tensor([x["advantage"] for x in grp])
-        m["groups"] += 1
-        m["length_cv"] += (L.std(unbiased=False) / L.mean()).item()  # std/mean within the group
-        m["zero_var_groups"] += float(r.std() == 0)
-        if (adv > 0).any() and (adv < 0).any():  # mixed group: positive-negative length gap
-            m["mixed_groups"] += 1
-            m["length_gap"] += (L[adv < 0].mean() - L[adv > 0].mean()).item()
-    m["responses"] = len(rollouts)
-    m["reward"] = sum(r["reward"] for r in rollouts)
-    m["correct"] = sum(r["reward"] > 0 for r in rollouts)
-    m["length"] = sum(r["length"] for r in rollouts)
-    m["truncated"] = sum(r["truncated"] for r in rollouts)
-    return m
+    """Rank-local sums for the paper's diagnostics (length CV within each group; negative-positive
+    length gap over the groups with both signs); reduced over ranks by step_metrics."""
+    col = lambda k: torch.tensor([float(r[k]) for r in rollouts], dtype=torch.float64).view(-1, group_size)  # noqa: E731
+    L, R, A = col("length"), col("reward"), col("advantage")
+    mixed = (A > 0).any(1) & (A < 0).any(1)
+    gap = (L * (A < 0)).sum(1) / (A < 0).sum(1).clamp(min=1) - (L * (A > 0)).sum(1) / (A > 0).sum(1).clamp(min=1)
+    return {"groups": len(L), "length_cv": (L.std(1, unbiased=False) / L.mean(1)).sum().item(),
+            "zero_var_groups": (R.std(1) == 0).sum().item(), "mixed_groups": mixed.sum().item(),
+            "length_gap": gap[mixed].sum().item(), "responses": L.numel(), "reward": R.sum().item(),
+            "correct": (R > 0).sum().item(), "length": L.sum().item(), "truncated": col("truncated").sum().item()}
 
 
 # -----------------------------------------------------------------------------
@@ -828,16 +898,9 @@ def linear_warmup(num_updates: int):
     return lambda optimizer: LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / num_updates))
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    out_dir = Path(args.output_dir)
-    try:
-        check_args(args, world)
-        ds_config = deepspeed_config(args, world)
-        checkpoints = check_output_dir(args, out_dir, world)
-    except ValueError as e:
-        sys.exit(f"train_grpo.py: error: {e}")
+def init_distributed(out_dir: Path, checkpoints: list[Path], world: int) -> tuple[int, int]:
+    """Join the launcher's process group (NCCL on CUDA, gloo on the CPU); (rank, local rank).
+    Every rank must see the same run: the output directory is shared between nodes."""
     if "MASTER_PORT" not in os.environ:  # plain `python train_grpo.py` runs as one rank, on a free port
         import socket
 
@@ -846,20 +909,11 @@ def main(argv: list[str] | None = None) -> None:
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
-
     import deepspeed
     import torch.distributed as dist
     import transformers
-    from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.integrations import HfDeepSpeedConfig
-    from vllm import SamplingParams
 
-    from rewards import SandboxUnavailable, compute_rewards
-
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ["LOCAL_RANK"])
+    cuda, local_rank = torch.cuda.is_available(), int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
     # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
@@ -870,7 +924,6 @@ def main(argv: list[str] | None = None) -> None:
         pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
     transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
     rank = dist.get_rank()
-    # Every rank must see the same run: the output directory is shared between nodes.
     token = all_gather_objects(f".shared-{os.urandom(8).hex()}" if rank == 0 else None)[0]
     if rank == 0:
         (out_dir / token).write_text("")
@@ -882,19 +935,19 @@ def main(argv: list[str] | None = None) -> None:
     if not all(s == seen[0] for s in seen) or not seen[0][0]:
         sys.exit(f"train_grpo.py: error: rank {rank}: the ranks do not see the same {out_dir} "
                  "(--output-dir must be one directory shared by every node)")
-    done = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] if checkpoints else 0
-    if done >= args.steps:  # a finished run: say so without starting any engine
-        if rank == 0:
-            print(f"[grpo] {out_dir} already holds all {args.steps} steps ({checkpoints[0].name}): nothing to do "
-                  "(raise --steps to train on, or pick another --output-dir)", flush=True)
-        return
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed)
+    return rank, local_rank
+
+
+def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list[dict]]:
+    """(model path, tokenizer, training rows, prompts dropped as too long, held-out rows); a bad input
+    stops every rank with one line before any engine starts."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoTokenizer
+
+    from data.demo import model_dir
+    from rewards import SandboxUnavailable, sandbox_mode
 
     try:
-        from data.demo import model_dir
-
         if local_rank == 0:
             model_dir(args.model)  # an offline policy is copied into this node's cache once
         dist.barrier()
@@ -908,12 +961,19 @@ def main(argv: list[str] | None = None) -> None:
         train_rows, dropped = load_prompts(args.dataset, tokenizer, args, train=True)
         eval_rows = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit)[0] if args.eval_dataset else []
         if any(r["kind"] == "code" for r in train_rows + eval_rows):
-            from rewards import sandbox_mode
-
             sandbox_mode()  # code rewards fail closed without bubblewrap: say so before any engine starts
     except (ValueError, OSError, SandboxUnavailable) as e:
         sys.exit(f"train_grpo.py: error: {first_line(e)}")
+    return model_path, tokenizer, train_rows, dropped, eval_rows
 
+
+def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank: int):
+    """The ZeRO-3 policy engine, the frozen reference engine (only with --kl-coef), the vLLM engine."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    cuda = torch.cuda.is_available()
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841  (makes from_pretrained load partitioned)
     dtype = torch.bfloat16 if cuda else torch.float32
     try:
@@ -932,44 +992,200 @@ def main(argv: list[str] | None = None) -> None:
         ref_cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         ref_engine = deepspeed.initialize(model=ref, config=ref_cfg)[0]
-    llm = make_vllm(model_path, args, rank, local_rank)
+    return engine, ref_engine, make_vllm(model_path, args, rank, local_rank)
 
-    start, order, bad_streak, resume_from = 0, [], 0, None
-    for ckpt in checkpoints:  # newest first; one whose files fail their CRC on any rank: the one before
+
+def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tuple[int, list[int], int]:
+    """(step, prompt order, bad-step streak) of the newest checkpoint every rank can load, weights
+    synced into vLLM; (0, [], 0) for a new run. One whose files fail their CRC on any rank: the one before."""
+    for ckpt in checkpoints:  # newest first
         errors = [e for e in all_gather_objects(damaged_shard(ckpt, rank)) if e]
         if not errors:
             state = load_training_state(engine, ckpt, rank)
-            start, order, bad_streak, resume_from = state["step"], state["order"], state["bad_streak"], ckpt
             sync_weights_to_vllm(engine, llm)
-            break
+            if rank == 0:
+                print(f"[grpo] resuming from {ckpt} (step {state['step']})", flush=True)
+            return state["step"], state["order"], state["bad_streak"]
         if rank == 0:
             print(f"[grpo] {errors[0]}: " + ("falling back to the previous checkpoint" if ckpt != checkpoints[-1]
                                              else "no earlier checkpoint"), flush=True)
-    if checkpoints and resume_from is None:
+    if checkpoints:
         sys.exit(f"train_grpo.py: error: no checkpoint of {out_dir / 'checkpoints'} could be loaded; "
                  "repair the named file, or use another --output-dir")
-    if rank == 0 and resume_from is None and (out_dir / "metrics.jsonl").exists():
-        logged = sum(1 for x in (out_dir / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] > 0)
-        if logged:
-            print(f"[grpo] {out_dir} has {logged} logged steps but no checkpoint: starting afresh over them",
-                  flush=True)
+    return 0, [], 0
+
+
+def open_loggers(args, out_dir: Path, rank: int, start: int):
+    """(log(step, metrics), close()): metrics.jsonl always, TensorBoard and/or wandb (--report-to); rank 0.
+
+    The steps after `start` (the checkpoint resumed from) are redone: their metrics.jsonl lines are
+    dropped and TensorBoard purges them; wandb continues the run of the same id (out_dir/wandb_id),
+    its charts against train/step, so a redone step is drawn again rather than rejected.
+    """
+    if rank != 0:
+        return (lambda step, metrics: None), (lambda: None)
+    from torch.utils.tensorboard import SummaryWriter
+
+    path = out_dir / "metrics.jsonl"
+    logged = path.read_text().splitlines() if path.exists() else []
+    if start == 0 and any(json.loads(x)["step"] > 0 for x in logged):
+        print(f"[grpo] {out_dir} has logged steps but no checkpoint: starting afresh over them", flush=True)
+    path.write_text("".join(x + "\n" for x in logged if json.loads(x)["step"] <= start))
+    writer = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1) if "tensorboard" in args.report_to else None
+    run = None
+    if "wandb" in args.report_to:
+        import wandb
+
+        id_file = out_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if start > 0 and id_file.exists() else os.urandom(6).hex()
+        id_file.write_text(run_id)
+        try:
+            run = wandb.init(project=os.environ.get("WANDB_PROJECT", "balanced-grpo"), name=out_dir.name, id=run_id,
+                             resume="allow", config=vars(args), dir=str(out_dir))
+        except Exception as e:  # wandb's own error types: no login, no network, a bad project
+            sys.exit(f"train_grpo.py: error: --report-to wandb: {first_line(e)} (wandb login, or WANDB_MODE=offline)")
+        run.define_metric("*", step_metric="train/step")
+
+    def log(step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items() if writer else ():
+            writer.add_scalar(k, v, step)
+        if run is not None:
+            run.log({"train/step": step, **metrics})
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close() -> None:
+        if writer:
+            writer.close()
+        if run is not None:
+            run.finish()
+
+    return log, close
+
+
+def next_prompts(order: list[int], n_rows: int, args, step: int) -> tuple[list[int], list[int]]:
+    """This step's prompts over all ranks and the order left: seeded epochs, the same on every rank."""
+    while len(order) < args.prompts_per_step:
+        epoch = list(range(n_rows))
+        random.Random(args.seed + len(order) + step).shuffle(epoch)
+        order = order + epoch
+    return order[: args.prompts_per_step], order[args.prompts_per_step :]
+
+
+# peak dense bf16 tensor TFLOP/s by device name (the first name the device's contains); else --peak-tflops
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "H800": 989, "H20": 148,
+                    "A100": 312, "A800": 312, "L40S": 362, "B200": 2250, "MI300X": 1307}
+
+
+def model_flops_fn(engine, peak_tflops: float | None):
+    """(flops(sequence lengths), peak FLOP/s or None). Model FLOPs of one forward and backward:
+    6 N per token for the weight matmuls (N: parameters but an untied input embedding, a lookup) and
+    12 layers hidden S per token of an S-token sequence for attention, as in PaLM's MFU (Chowdhery et
+    al. 2022, app. B). Recomputation for gradient checkpointing does not count: MFU, not HFU."""
+    module, cfg = engine.module, engine.module.config
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 holds a partition)
+    n = sum(numel(p) for p in module.parameters())
+    if not getattr(cfg, "tie_word_embeddings", False):
+        n -= numel(module.get_input_embeddings().weight)
+    layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    peak = None
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        tflops = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+        peak = tflops * 1e12 if tflops else None
+        if peak is None and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[grpo] no peak FLOP/s known for {name}: pass --peak-tflops to log perf/mfu", flush=True)
+    return (lambda seq_lens: sum(6 * n * s + 12 * layers * hidden * s * s for s in seq_lens)), peak
+
+
+def gpu_memory() -> list[float]:
+    """This rank's peak of PyTorch's allocator since the last call and the whole device in use, GiB."""
+    free, total = torch.cuda.mem_get_info()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return [peak, (total - free) / 2**30]
+
+
+SUM_KEYS = ["pg_loss", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates", "mismatch_abs",
+            "mismatch_kl", "mismatch_out", "correction"]
+
+
+def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: dict, args, world: int,
+                 flops: float, peak: float | None, memory: list[float] | None) -> dict[str, float]:
+    """The step's metrics: this rank's sums reduced over ranks, then normalised. Rates are per device."""
+    t_update = max(timer["update"], 1e-9)
+    local = {**rollout_metrics(rollouts, args.group_size), **dict.fromkeys(SUM_KEYS, 0.0), **sums,
+             "timeouts": reward_stats.get("timeouts", 0), "errors": reward_stats.get("errors", 0),
+             "gen_rate": sum(r["length"] for r in rollouts) / max(timer["rollout"], 1e-9),
+             "train_rate": sum(len(r["tokens"]) for r in rollouts) / t_update if sums.get("updates") else 0.0,
+             "flop_rate": flops / t_update if sums.get("updates") else 0.0}
+    local = dict(sorted(local.items()))  # the same keys in the same order on every rank
+    tot = dict(zip(local, all_reduce(list(local.values())).tolist()))
+    tokens, updates, n = max(1, tot["tokens"]), max(1, tot["updates"]), tot["responses"]
+    metrics = {
+        "reward/mean": tot["reward"] / n, "reward/accuracy": tot["correct"] / n,
+        "loss/pg": tot["pg_loss"] / world / updates,  # each rank's loss is the mean over its own groups
+        "loss/clip_frac": tot["clipped"] / tokens, "loss/approx_kl": tot["approx_kl"] / tokens,
+        "loss/grad_norm": tot["grad_norm"] / world / updates,
+        "train/skipped_updates": tot["skipped_updates"],
+        "train/no_signal": float(tot["updates"] + tot["skipped_updates"] == 0),  # no mini-batch ran
+        "length/mean": tot["length"] / n, "length/max": all_reduce([max(r["length"] for r in rollouts)], "max").item(),
+        "length/cv": tot["length_cv"] / tot["groups"],
+        "length/pos_neg_gap": tot["length_gap"] / tot["mixed_groups"] if tot["mixed_groups"] else 0.0,
+        "groups/zero_var_share": tot["zero_var_groups"] / tot["groups"],
+        "length/truncation_rate": tot["truncated"] / n,
+        "reward/timeouts": tot["timeouts"], "reward/errors": tot["errors"],
+        "perf/gen_tokens_per_s": tot["gen_rate"] / world, "perf/train_tokens_per_s": tot["train_rate"] / world,
+        "perf/update_tflops": tot["flop_rate"] / world / 1e12,
+        **{f"time/{k}": v for k, v in timer.items()},
+    }
+    if tot["tokens"]:  # measured on the tokens the update saw: none on a step without learning signal
+        metrics.update({"rollout/mismatch_abs": tot["mismatch_abs"] / tokens, "rollout/mismatch_kl": tot[
+            "mismatch_kl"] / tokens, "rollout/mismatch_out_share": tot["mismatch_out"] / tokens,
+            "rollout/correction_mean": tot["correction"] / tokens})
+    if "ref_kl" in tot:
+        metrics["loss/ref_kl"] = tot["ref_kl"] / tokens
+    if peak:
+        metrics["perf/mfu"] = tot["flop_rate"] / world / peak
+    if memory is not None:
+        metrics["memory/update_peak_gib"], metrics["memory/device_used_gib"] = all_reduce(memory, "max").tolist()
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    out_dir = Path(args.output_dir)
+    try:
+        check_args(args, world)
+        ds_config = deepspeed_config(args, world)
+        checkpoints = check_output_dir(args, out_dir, world)
+    except ValueError as e:
+        sys.exit(f"train_grpo.py: error: {e}")
+    rank, local_rank = init_distributed(out_dir, checkpoints, world)
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from rewards import compute_rewards, reference
+
+    done = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] if checkpoints else 0
+    if done >= args.steps:  # a finished run: say so without starting any engine
+        if rank == 0:
+            print(f"[grpo] {out_dir} already holds all {args.steps} steps ({checkpoints[0].name}): nothing to do "
+                  "(raise --steps to train on, or pick another --output-dir)", flush=True)
+        return
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed)
+    model_path, tokenizer, train_rows, dropped, eval_rows = load_data(args, local_rank)
+    engine, ref_engine, llm = build_engines(args, model_path, ds_config, rank, local_rank)
+    start, order, bad_streak = resume(engine, llm, checkpoints, out_dir, rank)
     if rank == 0:
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
               f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}", flush=True)
-        if resume_from is not None:
-            print(f"[grpo] resuming from {resume_from} (step {start})", flush=True)
-        logged = (out_dir / "metrics.jsonl").read_text().splitlines() if (out_dir / "metrics.jsonl").exists() else []
-        # steps after the checkpoint are redone: drop their log lines (TensorBoard: purge_step)
-        (out_dir / "metrics.jsonl").write_text("".join(x + "\n" for x in logged if json.loads(x)["step"] <= start))
-    writer = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1) if rank == 0 else None
-
-    def log(step: int, metrics: dict[str, float]) -> None:
-        if rank == 0:
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, step)
-            with open(out_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
-
+    log, close_loggers = open_loggers(args, out_dir, rank, start)
+    model_flops, peak = model_flops_fn(engine, args.peak_tflops)
     if eval_rows and start == 0:
         ev = evaluate(llm, eval_rows, args, rank, world, 0, out_dir)
         log(0, ev)
@@ -982,43 +1198,24 @@ def main(argv: list[str] | None = None) -> None:
                initial=start, total=args.steps)
     for step in bar:
         timer = {}
-        # 1. rollout: this rank's prompts, the same global order on every rank (seeded epochs)
+        # 1. rollout: this rank's share of the step's prompts, G responses each
         t0 = time.time()
-        while len(order) < args.prompts_per_step:
-            epoch = list(range(len(train_rows)))
-            random.Random(args.seed + len(order) + step).shuffle(epoch)
-            order += epoch
-        batch_idx, order = order[: args.prompts_per_step], order[args.prompts_per_step :]
-        mine = batch_idx[rank * n_prompts : (rank + 1) * n_prompts]
-        rows = [train_rows[i] for i in mine]
-        params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                 max_tokens=args.max_response_len,
-                                 seed=sampling_seed(args.seed, step, rank * n_prompts + j, args.group_size))
-                  for j in range(len(rows))]
-        outputs = generate(llm, rows, params)
-        if cuda:
-            # Level 2 discards the weights instead of copying them to host memory (15 GB per rank
-            # at 7B, each step): the sync reloads them anyway. Hands the KV cache back to training.
-            llm.sleep(level=2)
-            torch.cuda.empty_cache()
+        batch_idx, order = next_prompts(order, len(train_rows), args, step)
+        rows = [train_rows[i] for i in batch_idx[rank * n_prompts : (rank + 1) * n_prompts]]
+        rollouts = rollout(llm, rows, args, step, rank * n_prompts)
         timer["rollout"] = time.time() - t0
 
         # 2. reward
         t0 = time.time()
-        rollouts = to_rollouts(rows, outputs)
         rstats = {}
         scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
                                  [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=rstats)
         timer["reward"] = time.time() - t0
 
-        # 3. advantages and 4. aggregation weights, once per rollout batch
-        rewards = torch.tensor(scores, dtype=torch.float64)
-        adv = group_advantages(rewards, args.group_size, scale_by_std=not args.no_std_norm)
-        if os.environ.get("GRPO_FAULT_NAN_STEP") == str(step):  # fault injection for the crash tests
-            adv = torch.full_like(adv, float("nan"))
+        # 3. advantages within each group
+        adv = group_advantages(torch.tensor(scores, dtype=torch.float64), args.group_size, not args.no_std_norm)
         for r, s, a in zip(rollouts, scores, adv.tolist()):
             r["reward"], r["advantage"] = s, a
-        lengths = torch.tensor([r["length"] for r in rollouts])
 
         # old log-probs only when the policy moves between mini-batches; ref only with KL
         t0 = time.time()
@@ -1028,91 +1225,40 @@ def main(argv: list[str] | None = None) -> None:
             fill_logprobs(ref_engine, rollouts, "ref_logp", args, device)
         timer["logprobs"] = time.time() - t0
 
-        # 5. update: mini-batches of whole groups; weights normalised per mini-batch
+        # 4. aggregation weights, once per rollout batch, and 5. update: mini-batches of whole groups
         t0 = time.time()
         lr = engine.get_lr()[0]  # of this step's first update
         engine.train()
-        per_mb = len(rollouts) // args.minibatches
-        keys = ["pg_loss", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates"]
-        sums = dict.fromkeys(keys + (["ref_kl"] if ref_engine is not None else []), 0.0)
+        weights = loss_weights(adv, rollouts, args)
         # No learning signal anywhere (every group has zero reward variance, no KL term):
         # skip the update rather than let AdamW's momentum and decay move the weights.
-        signal_ = all_reduce([float(bool((adv != 0).any()) or args.kl_coef > 0)], op="max")
-        kept = torch.where(torch.tensor([r["truncated"] for r in rollouts]), 0, lengths) if args.mask_truncated \
-            else lengths
-        batch_lengths = all_reduce(sign_lengths(adv, kept)) if args.agg == "balanced-batch" else None
-        for mb in range(args.minibatches if signal_.item() else 0):
-            part = rollouts[mb * per_mb : (mb + 1) * per_mb]
-            a, L = adv[mb * per_mb : (mb + 1) * per_mb], lengths[mb * per_mb : (mb + 1) * per_mb]
-            # local groups / global groups of this mini-batch: rank-local weights sum to the global mean
-            if args.mask_truncated:  # overlong filtering: truncated responses carry no loss and no tokens
-                masked = torch.tensor([r["truncated"] for r in part])
-                L = torch.where(masked, 0, L)
-            w = aggregation_weights(a, L, args.group_size, args.agg, batch_lengths) / world
-            if args.mask_truncated:
-                w = torch.where(masked, 0.0, w)
-            s = update_minibatch(engine, part, w, args, world, device)
+        signal = all_reduce([float(bool((adv != 0).any()) or args.kl_coef > 0)], op="max").item() > 0
+        sums, per_mb = defaultdict(float), len(rollouts) // args.minibatches
+        for mb in range(args.minibatches if signal else 0):
+            part = slice(mb * per_mb, (mb + 1) * per_mb)
+            s = update_minibatch(engine, rollouts[part], weights[part], args, device)
             # DeepSpeed skips the optimizer step itself when the gradient norm is not finite
             bad = not (math.isfinite(s["grad_norm"]) and math.isfinite(s["pg_loss"]))
-            sums["skipped_updates"] += bad / world
             for k, v in s.items():
-                sums[k] += v if not bad else 0.0
+                sums[k] += 0.0 if bad else v
+            sums["skipped_updates"] += bad / world
             sums["updates"] += (not bad) / world
         timer["update"] = time.time() - t0
-        if cuda:  # this rank's peak of the update (PyTorch's allocator), and the whole device in use
-            free, total = torch.cuda.mem_get_info()
-            gpu_memory = [torch.cuda.max_memory_allocated() / 2**30, (total - free) / 2**30]
-            torch.cuda.reset_peak_memory_stats()
+        memory = gpu_memory() if cuda else None
 
         # 6. weight sync
         t0 = time.time()
-        if cuda:
-            torch.cuda.empty_cache()  # the update's cached blocks, so that vLLM can take its memory back
-            llm.wake_up(tags=["weights"])
         sync_weights_to_vllm(engine, llm)
-        if cuda:
-            torch.cuda.empty_cache()
-            llm.wake_up(tags=["kv_cache"])
         timer["sync"] = time.time() - t0
 
-        # logging: reduce rank-local sums over ranks
-        m = rollout_metrics(rollouts, args.group_size)
-        local = {**m, **sums, "timeouts": rstats.get("timeouts", 0), "errors": rstats.get("errors", 0)}
-        local = dict(sorted(local.items()))  # the same keys in the same order on every rank
-        tot = dict(zip(local, all_reduce(list(local.values())).tolist()))
-        max_len = all_reduce([float(lengths.max())], op="max")
-        metrics = {
-            "reward/mean": tot["reward"] / tot["responses"],
-            "reward/accuracy": tot["correct"] / tot["responses"],
-            "loss/pg": tot["pg_loss"] / max(1, tot["updates"]),
-            "loss/clip_frac": tot["clipped"] / max(1, tot["tokens"]),
-            "loss/approx_kl": tot["approx_kl"] / max(1, tot["tokens"]),
-            "loss/grad_norm": tot["grad_norm"] / world / max(1, tot["updates"]),
-            "train/skipped_updates": tot["skipped_updates"],
-            "train/no_signal": float(not signal_.item()),
-            "lr": lr,
-            "length/mean": tot["length"] / tot["responses"],
-            "length/max": max_len.item(),
-            "length/cv": tot["length_cv"] / tot["groups"],
-            "length/pos_neg_gap": tot["length_gap"] / tot["mixed_groups"] if tot["mixed_groups"] else 0.0,
-            "groups/zero_var_share": tot["zero_var_groups"] / tot["groups"],
-            "length/truncation_rate": tot["truncated"] / tot["responses"],
-            "reward/timeouts": tot["timeouts"],
-            "reward/errors": tot["errors"],
-            **{f"time/{k}": v for k, v in timer.items()},
-        }
-        if ref_engine is not None:
-            metrics["loss/ref_kl"] = tot["ref_kl"] / max(1, tot["tokens"])
-        if cuda:
-            peak, used = all_reduce(gpu_memory, "max").tolist()
-            metrics["memory/update_peak_gib"], metrics["memory/device_used_gib"] = peak, used
-
+        flops = model_flops([len(r["tokens"]) for r in rollouts]) if signal else 0.0
+        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, flops, peak, memory), "lr": lr}
         if eval_rows and (step % args.eval_interval == 0 or step == args.steps):
             metrics.update(evaluate(llm, eval_rows, args, rank, world, step, out_dir))
         log(step, metrics)
         bar.set_postfix(acc=f"{metrics['reward/accuracy']:.3f}", pg=f"{metrics['loss/pg']:+.4f}",
                         len=f"{metrics['length/mean']:.0f}", refresh=False)
-        bad_streak = bad_streak + 1 if tot["skipped_updates"] else 0
+        bad_streak = bad_streak + 1 if metrics["train/skipped_updates"] else 0
         stop = bad_streak >= args.max_bad_steps
         if step % args.save_interval == 0 or step == args.steps or stop:
             state = {"step": step, "order": order, "bad_streak": bad_streak}
@@ -1129,7 +1275,7 @@ def main(argv: list[str] | None = None) -> None:
         if final:
             print("[grpo] done: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()), flush=True)
         print(f"[grpo] run in {out_dir}/: metrics.jsonl, tb/ (TensorBoard), checkpoints/", flush=True)
-        writer.close()
+    close_loggers()
     dist.barrier()
 
 

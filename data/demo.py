@@ -14,7 +14,7 @@ rewards.py's math reward like any real task. They differ in how they answer:
               independently of correctness, one ramble word before the answer, and the demo's
               off-by-one failures.
   lab-nogap-hi  the same control, warmed up further (from lab-nogap) on targets that are right
-              with probability 0.8 instead of 0.3, with the same length distribution: the control
+              with probability 0.95 instead of 0.3, with the same length distribution: the control
               above 50% accuracy (README "Is balanced aggregation length-neutral?").
 
 The warm-up is deliberately imperfect: supervised targets are the right sum only with
@@ -91,7 +91,7 @@ def sft_response(task: str, a: int, b: int, rng: random.Random) -> str:
     if task.startswith("lab-nogap"):
         # One word, the ramble before the answer (its length is sampled before the answer is), the
         # demo's off-by-one failures: nothing ties the length to the reward. (With the ramble after
-        # the answer, a 2-layer model rambles longer after a sampled wrong digit: a gap of ~10%.)
+        # the answer, a 2-layer model learns to ramble longer after a sampled wrong digit: a gap.)
         return " wait" * k + f" \\boxed{{{a + b if right else a + b + rng.choice((-1, 1))}}}"
     # The first word commits, the answer follows at a fixed position (warmed up from the demo, the
     # policy did not learn to carry a sum across a ramble of variable length), then the rest. A failure
@@ -125,8 +125,8 @@ def build(task: str, out: Path) -> None:
     """Warm up `task`'s policy and save it (bf16) to out/. The demo and lab-nogap are trained from
     nothing (their tokenizers too); the lab starts from the demo (data/offline/demo), which
     already adds, with its two ramble words added to the vocabulary as single tokens; lab-nogap-hi
-    starts from lab-nogap, which adds across a ramble (trained from nothing on its 0.8 targets, a
-    2-layer model did not learn to: 1.7% accuracy)."""
+    starts from lab-nogap, which adds across a ramble (trained from nothing, a 2-layer model does
+    not learn to: README, "The second control")."""
     from tokenizers import AddedToken
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 

@@ -230,6 +230,11 @@ def first_line(e: BaseException) -> str:
     return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
+def is_hub_id(name: str) -> bool:
+    """'owner/name' on the Hugging Face hub (not a local path): models and datasets alike."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
 def _is_prepared(row: dict) -> bool:
     return row.get("kind") in ("math", "code") and "prompt" in row and ("answer" in row or "tests" in row)
 
@@ -316,7 +321,7 @@ def load_rows(spec: str, data_dir: str | None = None, train: bool | None = None)
         return _check_kind(_task_range(rows_from(raw, name, dedup), entry), name, path or entry["hf"][0])
     if os.path.exists(spec):
         return rows_from(_read_file(spec), Path(spec).stem, bool(train))
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):  # another hub dataset: its train split
+    if is_hub_id(spec):  # another hub dataset: its train split
         return rows_from(_read_hub(spec, None, "train"), spec, bool(train))
     known = ", ".join(["demo", "demo-test", *DATASETS])
     raise ValueError(f"unknown dataset {spec!r}: not a file, not a hub name, not one of {known}")

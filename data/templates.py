@@ -60,3 +60,9 @@ def render_prompt(prompt: str, template: str, tokenizer=None, kind: str = "math"
             prompt = DAPO_PREFIX + prompt + DAPO_SUFFIX
         return _chat(tokenizer, prompt)
     raise ValueError(f"unknown template {template!r}; choose one of {', '.join(TEMPLATES)}")
+
+
+def prompt_ids(row: dict, template: str, tokenizer) -> list[int]:
+    """Token ids of a row's rendered prompt; the template's text already holds any special tokens."""
+    text = render_prompt(row["prompt"], template, tokenizer, row["kind"])
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -67,3 +67,36 @@ def path_without_bwrap(tmp_path) -> str:
                 if name != "bwrap" and not (farm / name).exists():
                     (farm / name).symlink_to(os.path.join(d, name))
     return str(farm)
+
+
+def wandb_log(path: Path) -> dict:
+    """{'run_id', 'config', 'history'} of an offline wandb run's transaction log (run-ID.wandb): the
+    LevelDB log format, 32 KiB blocks of chunks with a 7-byte header (crc32, length, type), each whole
+    record a protobuf wandb Record. wandb 0.31 has no Python reader of its own."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos, chunks, records = path.read_bytes(), 32768, 7, b"", []  # 7: ':W&B', magic, version
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            break
+        chunks += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a record is complete
+            records.append(pb.Record.FromString(chunks))
+            chunks = b""
+
+    def items(entries) -> dict:
+        return {e.key or "/".join(e.nested_key): json.loads(e.value_json) for e in entries}
+
+    run = next((r.run for r in records if r.WhichOneof("record_type") == "run"), None)
+    assert run is not None, f"{path}: no run record (a log cut before wandb flushed it)"
+    history = [items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
+    return {"run_id": run.run_id, "config": {k: v["value"] if isinstance(v, dict) and "value" in v else v
+                                             for k, v in items(run.config.update).items()}, "history": history}

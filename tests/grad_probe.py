@@ -47,7 +47,7 @@ def main() -> None:
     results = {}
     # each rule, and each rule again with ZeRO-3's optimizer offloaded to the CPU (its step reads
     # the accumulation-boundary flag that DeepSpeed's backward prologue sets)
-    for agg, offload in [(a, o) for o in (False, True) for a in ("seq", "token", "balanced")]:
+    for agg, offload in [(a, o) for o in (False, True) for a in ("seq", "token", "balanced", "balanced-batch")]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         rollouts, adv, lengths = fixed_batch(model.config.vocab_size)
         G = 4
@@ -70,12 +70,16 @@ def main() -> None:
         engine._backward_prologue = lambda: prologues.append(1) or real_prologue()
         args = argparse.Namespace(
             micro_batch_size=micro, pad_id=0, temperature=1.0, logprob_chunk=7,
-            clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0,
+            clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0,
+            mask_truncated=False, group_size=G, agg=agg, minibatches=1,
         )
-        w = train_grpo.aggregation_weights(adv[lo:hi], lengths[lo:hi], G, agg) / world
-        sums = train_grpo.update_minibatch(engine, rollouts[lo:hi], w, args, world, torch.device("cpu"))
+        for r in rollouts:
+            r["truncated"] = False
+        w = train_grpo.loss_weights(adv[lo:hi], rollouts[lo:hi], args)  # the trainer's: a mean over this rank's groups
+        sums = train_grpo.update_minibatch(engine, rollouts[lo:hi], w, args, torch.device("cpu"))
         loss = torch.tensor([sums["pg_loss"]], dtype=torch.float64)
         dist.all_reduce(loss)
+        loss /= world  # each rank's loss is the mean over its own groups
         delta = {}
         for name, p in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([p]):

@@ -158,3 +158,53 @@ def test_length_drift_push_on_the_stopping_decision():
     high = simulated_push(L, 0.78, 8, "balanced", groups=16_000)
     assert low["balanced"] > 10 * max(abs(low["seq"]), abs(low["token"]), abs(low["balanced-batch"]))
     assert high < 0 and abs(high + low["balanced"]) < 0.3 * low["balanced"]
+
+
+def test_rollout_correction_weights_by_their_formulas():
+    from train_grpo import rollout_correction
+
+    old = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.0], dtype=torch.float64)
+    vllm = torch.tensor([-1.5, -1.0, -0.5, -3.0, -0.5], dtype=torch.float64)  # log rho: .5, -1, 0 | 0, -.5
+    lengths = torch.tensor([3, 2])
+    rho = torch.exp(old - vllm)
+    torch.testing.assert_close(rollout_correction(old, vllm, lengths, "token", 2.0), rho.clamp(max=2.0))
+    assert rollout_correction(old, vllm, lengths, "token", 1.5)[0] == 1.5  # e^.5 = 1.65 truncated at C
+    # sequence: geometric means e^(-1/6) = 0.85 and e^(-1/4) = 0.78; C = 1.25 keeps the first only
+    assert rollout_correction(old, vllm, lengths, "sequence", 1.25).tolist() == [1, 1, 1, 0, 0]
+    assert rollout_correction(old, vllm, lengths, "sequence", 1.3).tolist() == [1] * 5
+    assert rollout_correction(old, vllm, lengths, "none", 1.3).tolist() == [1] * 5
+
+
+def test_the_correction_scales_each_tokens_gradient_and_nothing_else():
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(12, generator=g, dtype=torch.float64) * 3
+    adv = torch.randn(12, generator=g, dtype=torch.float64)
+    c = torch.rand(12, generator=g, dtype=torch.float64) * 2
+    grads = []
+    for correction in (None, c):
+        logp = (old + 0.3 * torch.randn(12, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+        logp.requires_grad_(True)
+        loss, _ = policy_loss_per_token(logp, old, adv, 0.2, 0.28, correction=correction)
+        loss.sum().backward()
+        grads.append(logp.grad)
+    torch.testing.assert_close(grads[1], c * grads[0])
+    assert not torch.allclose(grads[1], grads[0])
+
+
+def test_loss_weights_mask_truncation_and_average_per_mini_batch():
+    from types import SimpleNamespace
+
+    from train_grpo import loss_weights
+
+    G = 4
+    adv = group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 1, 0, 0], dtype=torch.float64), G)
+    lengths = [3, 5, 7, 2, 4, 6, 8, 10]
+    rollouts = [{"length": n, "truncated": n == 10} for n in lengths]
+    for masked in (False, True):
+        for minibatches in (1, 2):
+            args = SimpleNamespace(mask_truncated=masked, agg="seq", group_size=G, minibatches=minibatches)
+            w = loss_weights(adv, rollouts, args)
+            expected = torch.tensor([1 / (G * n) for n in lengths], dtype=torch.float64) / (2 / minibatches)
+            if masked:
+                expected[-1] = 0.0  # a truncated response has no loss under --mask-truncated
+            torch.testing.assert_close(w, expected)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, cpu_env, deepspeed_run
+from conftest import ROOT, cpu_env, deepspeed_run, wandb_log
 from safetensors.torch import load_file
 
 RUN = ["--steps", "5", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4", "--minibatches", "2",
@@ -19,13 +19,14 @@ RUN = ["--steps", "5", "--save-interval", "2", "--prompts-per-step", "8", "--gro
        "--lr-warmup-steps", "4"]  # the schedule's position must survive a resume too
 
 
-def train(out, *extra, env=None, port=29630):
-    return deepspeed_run(2, "train_grpo.py", "--output-dir", str(out), *RUN, *extra, port=port, env=env)
+def train(out, *extra, env=None, port=29630, script="train_grpo.py"):
+    return deepspeed_run(2, script, "--output-dir", str(out), *RUN, *extra, port=port, env=env)
 
 
 def metrics(out) -> dict[int, dict]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time/")} for r in rows}
+    timings = ("time/", "perf/")  # seconds and rates: they vary between runs
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(timings)} for r in rows}
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +70,30 @@ def test_sigkill_during_a_step_resumes_exactly(reference, tmp_path):
 @pytest.mark.slow
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(reference, tmp_path):
     out = tmp_path / "run"
-    res = train(out, env=cpu_env(GRPO_FAULT_KILL_IN_SAVE="4"), port=29633)
+    wandb = ["--report-to", "tensorboard", "wandb"]  # offline: written to out/wandb/, read back below
+    res = train(out, *wandb, env=cpu_env(GRPO_FAULT_KILL_IN_SAVE="4", WANDB_MODE="offline"), port=29633,
+                script="tests/fault_train.py")
     assert res.returncode != 0
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_000002"
     assert (ckpts / "step_000004.tmp").is_dir() and not (ckpts / "step_000004").exists()
-    res = train(out, "--resume", port=29634)
+    res = train(out, "--resume", *wandb, env=cpu_env(WANDB_MODE="offline"), port=29634)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming from" in res.stdout and "step_000002" in res.stdout
     assert_same_run(metrics(out), reference)
     assert not (ckpts / "step_000004.tmp").exists() and (ckpts / "latest").read_text() == "step_000005"
+
+    # wandb: the resumed launch continued the same run, from the step after the checkpoint
+    run_id = (out / "wandb_id").read_text()
+    launches = sorted(out.glob("wandb/offline-run-*"))
+    assert len(launches) == 2 and all(p.name.endswith(f"-{run_id}") for p in launches)
+    second = wandb_log(next(launches[1].glob("run-*.wandb")))
+    # (the killed launch's log is cut: SIGKILL takes wandb's writer process along before it flushes)
+    assert second["run_id"] == run_id and second["config"]["agg"] == "balanced"
+    assert [h["train/step"] for h in second["history"]] == [3, 4, 5]
+    final = metrics(out)
+    for h in second["history"]:
+        assert h["loss/pg"] == pytest.approx(final[h["train/step"]]["loss/pg"], rel=1e-12, abs=1e-15)
 
 
 @pytest.mark.slow
@@ -109,7 +124,7 @@ def test_keep_last_prunes_states_and_resume_skips_a_damaged_checkpoint(tmp_path,
 def test_non_finite_step_is_skipped_and_too_many_stop_the_run(tmp_path, demo_dir):
     out = tmp_path / "run"
     res = train(out, "--save-interval", "1", "--max-bad-steps", "1", env=cpu_env(GRPO_FAULT_NAN_STEP="2"),
-                port=29636)
+                port=29636, script="tests/fault_train.py")
     assert res.returncode != 0
     assert "1 steps in a row had a non-finite loss or gradient" in res.stderr and "Traceback" not in res.stderr
     m = metrics(out)

@@ -82,15 +82,15 @@ def test_evaluate_six_benchmarks_in_one_call(long_demo_model):
 
 
 def test_eval_seeds_are_per_prompt_and_independent_of_the_ranks():
-    from types import SimpleNamespace
+    from train_grpo import sampling_params
 
-    from train_grpo import eval_sampling_params
+    def seeds(indices) -> list[int]:
+        return [p.seed for p in sampling_params(4, 1.0, 1.0, 8, 0, 10, indices)]
 
-    args = SimpleNamespace(temperature=1.0, top_p=1.0, max_response_len=8, eval_samples=4, seed=0)
-    one_rank = [p.seed for p in eval_sampling_params(args, 10, range(0, 12))]
+    one_rank = seeds(range(0, 12))
     two_ranks = {}
     for rank in (0, 1):  # rank r holds prompts r, r + 2, ... (train_grpo.evaluate's sharding)
-        two_ranks.update(zip(range(rank, 12, 2), (p.seed for p in eval_sampling_params(args, 10, range(rank, 12, 2)))))
+        two_ranks.update(zip(range(rank, 12, 2), seeds(range(rank, 12, 2))))
     assert len(set(one_rank)) == 12 and one_rank == [two_ranks[i] for i in range(12)]
     seeds = [s + j for s in one_rank for j in range(4)]  # vLLM gives sample j of a request seed + j
     assert len(set(seeds)) == 48

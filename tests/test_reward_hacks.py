@@ -74,10 +74,8 @@ def answer(*args, **kwargs):
 ''',
     "equal_int_subclass": '''
 class _AnyInt(int):
-    def __eq__(self, other):
-        return True
-    def __ne__(self, other):
-        return False
+    __eq__ = lambda self, other: True  # noqa: E731
+    __ne__ = lambda self, other: False  # noqa: E731
     __hash__ = int.__hash__
 def answer(*args, **kwargs):
     return _AnyInt(0)

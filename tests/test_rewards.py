@@ -38,21 +38,17 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-@pytest.mark.parametrize("response,answer,score", [
-    ("\\boxed{\\dfrac{17}{50}}", "0.34", 1.0),
-    ("\\boxed{1,450,000}", "1450000", 1.0),
-    ("\\boxed{10080}", "10,\\!080", 1.0),
-    ("Answer: 25", "025", 1.0),
-    ("\\boxed{27}", "27.0", 1.0),
-    ("\\boxed{(3,4]}", "(3,4]", 1.0),
-    ("\\boxed{[3,4]}", "(3,4]", 0.0),
-    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "(3,\\frac{\\pi}{2})", 1.0),
-    ("\\boxed{90}", "90^\\circ", 1.0),
-    ("\\boxed{\\text{east}}", "\\text{east}", 1.0),
-    ("\\boxed{1+\\sqrt{19}, 1-\\sqrt{19}}", "1 \\pm \\sqrt{19}", 1.0),
-    ("\\boxed{\\frac{1}{3}}", "0.33", 0.0),
-    ("\\boxed{}", "0", 0.0),
-])
+EQUIVALENT = {  # response: reference answer, each pair scored 1
+    "\\boxed{\\dfrac{17}{50}}": "0.34", "\\boxed{1,450,000}": "1450000", "\\boxed{10080}": "10,\\!080",
+    "Answer: 25": "025", "\\boxed{27}": "27.0", "\\boxed{(3,4]}": "(3,4]", "\\boxed{90}": "90^\\circ",
+    "\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}": "(3,\\frac{\\pi}{2})", "\\boxed{\\text{east}}": "\\text{east}",
+    "\\boxed{1+\\sqrt{19}, 1-\\sqrt{19}}": "1 \\pm \\sqrt{19}",
+}
+NOT_EQUIVALENT = {"\\boxed{[3,4]}": "(3,4]", "\\boxed{\\frac{1}{3}}": "0.33", "\\boxed{}": "0"}
+
+
+@pytest.mark.parametrize("response,answer,score", [(r, a, 1.0) for r, a in EQUIVALENT.items()]
+                         + [(r, a, 0.0) for r, a in NOT_EQUIVALENT.items()])
 def test_math_equivalence(response, answer, score):
     assert math_reward(response, answer) == score
 

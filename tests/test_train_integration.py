@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import BENCHMARKS, ROOT, deepspeed_run
+from conftest import BENCHMARKS, ROOT, cpu_env, deepspeed_run
 
 STEPS = 3
 FLAGS = ["--steps", str(STEPS), "--prompts-per-step", "8", "--group-size", "4", "--micro-batch-size", "4",
@@ -13,7 +13,9 @@ FLAGS = ["--steps", str(STEPS), "--prompts-per-step", "8", "--group-size", "4", 
          "--save-interval", "100"]
 EXPECTED = ["reward/mean", "reward/accuracy", "loss/pg", "loss/clip_frac", "loss/approx_kl", "loss/grad_norm", "lr",
             "length/mean", "length/max", "length/cv", "length/pos_neg_gap", "groups/zero_var_share",
-            "length/truncation_rate", "time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
+            "length/truncation_rate", "time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync",
+            "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/update_tflops"]
+MISMATCH = ["rollout/mismatch_abs", "rollout/mismatch_kl", "rollout/mismatch_out_share", "rollout/correction_mean"]
 
 
 def hf_greedy(model_dir, prompts, max_new_tokens):
@@ -33,11 +35,12 @@ def hf_greedy(model_dir, prompts, max_new_tokens):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agg,minibatches", [("seq", 1), ("token", 2), ("balanced", 2)])
-def test_two_rank_run(agg, minibatches, demo_dir, tmp_path):
+@pytest.mark.parametrize("agg,minibatches,correction", [("seq", 1, "none"), ("token", 2, "token"),
+                                                       ("balanced", 2, "sequence")])
+def test_two_rank_run(agg, minibatches, correction, demo_dir, tmp_path):
     out = tmp_path / "run"
     res = deepspeed_run(2, "train_grpo.py", "--agg", agg, "--minibatches", str(minibatches), "--output-dir", str(out),
-                        *FLAGS, port=29620)
+                        "--rollout-correction", correction, *FLAGS, port=29620)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -47,7 +50,16 @@ def test_two_rank_run(agg, minibatches, demo_dir, tmp_path):
         missing = [k for k in EXPECTED if k not in r]
         assert not missing, missing
         assert all(math.isfinite(r[k]) for k in EXPECTED)
-        assert 0 <= r["reward/accuracy"] <= 1 and r["length/mean"] > 0
+        assert 0 <= r["reward/accuracy"] <= 1 and r["length/mean"] > 0 and r["perf/gen_tokens_per_s"] > 0
+        if r["train/no_signal"]:  # no update, so nothing trained and no mismatch measured
+            assert r["perf/train_tokens_per_s"] == 0 and not set(MISMATCH) & set(r)
+            continue
+        # fp32 engines on the CPU: vLLM's log-probs are the trainer's up to rounding, so any
+        # correction is a no-op (token weights 1 to 1e-6, no response masked)
+        assert r["rollout/mismatch_abs"] < 1e-4 and r["rollout/mismatch_out_share"] == 0
+        assert r["rollout/correction_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert r["perf/train_tokens_per_s"] > 0 and r["perf/update_tflops"] > 0
+    assert any(not r["train/no_signal"] for r in train)
     if minibatches > 1:  # a second update per rollout uses stored old log-probs: ratios move
         assert any(r["loss/approx_kl"] > 0 for r in train)
     assert (out / "tb").is_dir() and any((out / "tb").iterdir())
@@ -136,3 +148,22 @@ def test_code_dataset_without_bubblewrap_fails_in_one_line(demo_dir, tmp_path, p
                     env={**os.environ, "PATH": path_without_bwrap})
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "train_grpo.py: error: code rewards run model-written code and need bubblewrap" in res.stderr
+
+
+@pytest.mark.slow
+def test_a_rollout_trainer_mismatch_is_measured_and_masked(demo_dir, tmp_path):
+    # From the first sync on (after step 1), vLLM's logits are 3 x the trainer's (tests/fault_train.py):
+    # step 1 samples from the engine built from the checkpoint, the control.
+    out = tmp_path / "run"
+    res = deepspeed_run(2, "tests/fault_train.py", "--agg", "balanced", "--output-dir", str(out), *FLAGS,
+                        "--lr", "2e-4", "--rollout-correction", "sequence", "--rollout-correction-cap", "1.05",
+                        env=cpu_env(GRPO_FAULT_SCALE_VLLM="3"), port=29621)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"]}
+    assert rows[1]["rollout/mismatch_abs"] < 1e-4 and rows[1]["rollout/correction_mean"] == 1.0
+    perturbed = [rows[s] for s in (2, 3) if not rows[s]["train/no_signal"]]
+    assert perturbed
+    for r in perturbed:  # the demo policy is confident: most tokens keep log-probs near 0 either way
+        assert r["rollout/mismatch_abs"] > 0.01 and r["rollout/mismatch_kl"] > 1e-3
+        assert r["rollout/mismatch_out_share"] > 0.05
+        assert r["rollout/correction_mean"] < 1.0  # responses masked: their geometric-mean ratio leaves [1/C, C]

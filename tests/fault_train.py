@@ -1,0 +1,72 @@
+"""train_grpo.py with a fault injected from outside, for the crash-safety and mismatch tests (the
+trainer itself reads no fault switch). Launched as `deepspeed tests/fault_train.py <trainer flags>`:
+
+    GRPO_FAULT_NAN_STEP=k       step k's advantages are NaN: a poisoned batch
+    GRPO_FAULT_KILL_IN_SAVE=k   every rank SIGKILLs itself inside step k's save, once the checkpoint's
+                                files are written and before it is renamed into place
+    GRPO_FAULT_SCALE_VLLM=s     after every weight sync vLLM's final norm is scaled by s, so that its
+                                logits are s times the trainer's: a rollout-trainer mismatch
+"""
+
+import functools
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import train_grpo as T  # noqa: E402
+
+NAN_STEP = int(os.environ.get("GRPO_FAULT_NAN_STEP", "-1"))
+KILL_STEP = int(os.environ.get("GRPO_FAULT_KILL_IN_SAVE", "-1"))
+SCALE = float(os.environ.get("GRPO_FAULT_SCALE_VLLM", "1"))
+current = {"step": 0}
+
+
+def rollout(llm, rows, args, step, first_index):
+    current["step"] = step
+    return real_rollout(llm, rows, args, step, first_index)
+
+
+def group_advantages(rewards, group_size, scale_by_std=True, eps=1e-6):
+    adv = real_advantages(rewards, group_size, scale_by_std, eps)
+    return adv * float("nan") if current["step"] == NAN_STEP else adv
+
+
+def save_checkpoint(engine, tokenizer, root, step, *rest):
+    import torch.distributed as dist
+
+    real_barrier, calls = dist.barrier, []
+
+    def barrier(*a, **kw):  # the save's second barrier: every file written, nothing renamed yet
+        calls.append(1)
+        if step == KILL_STEP and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_barrier(*a, **kw)
+
+    dist.barrier = barrier
+    try:
+        return real_save(engine, tokenizer, root, step, *rest)
+    finally:
+        dist.barrier = real_barrier
+
+
+def _scale_final_norm(model, scale: float) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("model.norm.weight"):
+            p.data.mul_(scale)
+
+
+def sync_weights_to_vllm(engine, llm):
+    real_sync(engine, llm)
+    llm.apply_model(functools.partial(_scale_final_norm, scale=SCALE))
+
+
+real_rollout, real_advantages, real_save, real_sync = T.rollout, T.group_advantages, T.save_checkpoint, \
+    T.sync_weights_to_vllm
+T.rollout, T.group_advantages, T.save_checkpoint = rollout, group_advantages, save_checkpoint
+if SCALE != 1:
+    T.sync_weights_to_vllm = sync_weights_to_vllm
+
+if __name__ == "__main__":
+    T.main()
