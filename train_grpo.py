@@ -1111,14 +1111,15 @@ SUM_KEYS = ["pg_loss", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_u
 
 
 def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: dict, args, world: int,
-                 flops: float, peak: float | None, memory: list[float] | None) -> dict[str, float]:
-    """The step's metrics: this rank's sums reduced over ranks, then normalised. Rates are per device."""
-    t_update = max(timer["update"], 1e-9)
+                 model_flops, peak: float | None, memory: list[float] | None) -> dict[str, float]:
+    """The step's metrics: this rank's sums reduced over ranks, then normalised. Rates are per device,
+    the update's over the updates that ran (each response goes through one forward and backward)."""
+    t_update, ran = max(timer["update"], 1e-9), bool(sums.get("updates"))
     local = {**rollout_metrics(rollouts, args.group_size), **dict.fromkeys(SUM_KEYS, 0.0), **sums,
              "timeouts": reward_stats.get("timeouts", 0), "errors": reward_stats.get("errors", 0),
              "gen_rate": sum(r["length"] for r in rollouts) / max(timer["rollout"], 1e-9),
-             "train_rate": sum(len(r["tokens"]) for r in rollouts) / t_update if sums.get("updates") else 0.0,
-             "flop_rate": flops / t_update if sums.get("updates") else 0.0}
+             "train_rate": sum(len(r["tokens"]) for r in rollouts) / t_update if ran else 0.0,
+             "flop_rate": model_flops([len(r["tokens"]) for r in rollouts]) / t_update if ran else 0.0}
     local = dict(sorted(local.items()))  # the same keys in the same order on every rank
     tot = dict(zip(local, all_reduce(list(local.values())).tolist()))
     tokens, updates, n = max(1, tot["tokens"]), max(1, tot["updates"]), tot["responses"]
@@ -1251,8 +1252,7 @@ def main(argv: list[str] | None = None) -> None:
         sync_weights_to_vllm(engine, llm)
         timer["sync"] = time.time() - t0
 
-        flops = model_flops([len(r["tokens"]) for r in rollouts]) if signal else 0.0
-        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, flops, peak, memory), "lr": lr}
+        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory), "lr": lr}
         if eval_rows and (step % args.eval_interval == 0 or step == args.steps):
             metrics.update(evaluate(llm, eval_rows, args, rank, world, step, out_dir))
         log(step, metrics)
