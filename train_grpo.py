@@ -396,7 +396,7 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
         engine.backward(loss, scale_wrt_gas=False)
         engine.step()
         gap = old - vllm  # log pi_old / pi_vllm on the tokens vLLM sampled
-        st.update(mismatch_abs=gap.abs(), mismatch_kl=gap.exp() - 1 - gap, mismatch_out=gap.abs() > log_cap,
+        st.update(mismatch_abs=gap.abs(), mismatch_kl=torch.expm1(gap) - gap, mismatch_out=gap.abs() > log_cap,
                   correction=c)  # mismatch_kl: k3 estimate of KL(pi_vllm || pi_old)
         sums["pg_loss"] += loss.item()
         sums["tokens"] += logp.numel()

@@ -45,6 +45,7 @@ def test_train_on_real_length_prompts(long_demo_model, tmp_path):
                         "--micro-batch-size", "4", "--lr", "1e-4", "--lr-warmup-steps", "2", "--eval-interval", "2",
                         "--eval-limit", "16", "--eval-samples", "2", "--save-interval", "100",
                         "--kl-coef", "0.01",  # a KL term: the update runs even where no group has reward variance
+                        "--rollout-correction", "token",
                         "--reward-workers", "2", "--output-dir", str(out), port=29640, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"[grpo] {len(rows)} training prompts (0 too long" in res.stdout
@@ -57,6 +58,10 @@ def test_train_on_real_length_prompts(long_demo_model, tmp_path):
     for m in metrics[1:]:  # backward and step through real-length sequences, each step, with the KL reference
         assert m["train/no_signal"] == 0 and m["loss/grad_norm"] > 0 and m["loss/ref_kl"] >= 0
         assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0 and m["length/mean"] > 0
+        # vLLM's sampled-token log-probs against the trainer's on prompts of up to 2000 tokens (fp32 on the
+        # CPU: rounding only), and the token correction a no-op there; the update's model FLOPs counted
+        assert m["rollout/mismatch_abs"] < 1e-4 and m["rollout/correction_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert m["perf/update_tflops"] > 0 and m["perf/train_tokens_per_s"] > 0
     evals = [json.loads(x) for x in (out / "eval" / "step_000002.jsonl").read_text().splitlines()]
     assert {e["id"] for e in evals} >= {r["id"] for r in rows[:16]} - {None}
 
