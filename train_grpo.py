@@ -69,6 +69,15 @@ DEMO_DEFAULTS = dict(
 # ramble longer; output in runs/lab-AGG (or runs/lab-nogap-AGG), a checkpoint every 10 steps.
 LAB_DEFAULTS = {**DEMO_DEFAULTS, "max_response_len": 48, "save_interval": 10, "output_dir": None}
 OFFLINE_DEFAULTS = {"demo": DEMO_DEFAULTS, "lab": LAB_DEFAULTS, "lab-nogap": LAB_DEFAULTS, "lab-nogap-hi": LAB_DEFAULTS}
+# the aggregation rules (aggregation_weights) and each policy loss's published defaults (policy_loss_per_token),
+# applied to the flags left unset
+AGGS = ["seq", "token", "balanced", "balanced-batch", "token-batch", "dr-grpo", "seq-sum"]
+POLICY_LOSS_DEFAULTS = {
+    "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.28),  # DAPO's clip-higher
+    "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),  # GSPO's, on the sequence ratio
+    "cispo": dict(clip_eps_low=1.0, clip_eps_high=4.0),  # no lower bound (MiniMax-M1); weight <= 5 (TRL's advice)
+    "sapo": dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05),  # SAPO's gate temperatures
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,8 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="prepared .jsonl/.parquet, HF name, or 'demo'")
     a("--eval-dataset", default=None, help="held-out prompts scored every --eval-interval steps")
     a("--template", default="dapo", choices=["plain", "chat", "boxed", "dapo"])
-    a("--agg", default="balanced", choices=["seq", "token", "balanced", "balanced-batch"],
-      help="loss aggregation rule (balanced-batch: this project's variant, README)")
+    a("--agg", default="balanced", choices=AGGS, help="loss aggregation rule (README's table; balanced-batch: this "
+      "project's variant)")
+    a("--policy-loss", default="ppo", choices=list(POLICY_LOSS_DEFAULTS),
+      help="per-token surrogate: PPO-clip, GSPO, CISPO or SAPO (README; each with its paper's defaults)")
     a("--group-size", type=int, default=16, help="G: responses sampled per prompt")
     a("--prompts-per-step", type=int, default=512, help="prompts per rollout batch, over all ranks")
     a("--minibatches", type=int, default=16, help="optimizer updates per rollout batch")
@@ -87,8 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--lr", type=float, default=1e-6)
     a("--lr-warmup-steps", type=int, default=10, help="rollout steps of linear warm-up")
     a("--weight-decay", type=float, default=0.1)
-    a("--clip-eps-low", type=float, default=0.2)
-    a("--clip-eps-high", type=float, default=0.28)
+    a("--clip-eps-low", type=float, default=None, help="ratio clip 1 - eps (default ppo 0.2, gspo 3e-4, cispo 1: none)")
+    a("--clip-eps-high", type=float, default=None, help="ratio clip 1 + eps (default ppo 0.28, gspo 4e-4, cispo 4)")
+    a("--sapo-tau-pos", type=float, default=None, help="SAPO's gate temperature where A > 0 (default 1.0)")
+    a("--sapo-tau-neg", type=float, default=None, help="SAPO's gate temperature where A < 0 (default 1.05)")
     a("--kl-coef", type=float, default=0.0, help="k3 KL to a frozen reference; 0 = no reference model")
     a("--no-std-norm", action="store_true", help="A = r - mean (Dr. GRPO): do not divide by the group std")
     a("--max-prompt-len", type=int, default=1024, help="longer prompts are dropped (counted)")
@@ -104,6 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     a("--max-bad-steps", type=int, default=5, help="consecutive non-finite steps before the run stops")
     a("--mask-truncated", action="store_true", help="no loss on responses cut at --max-response-len (DAPO)")
+    a("--dynamic-sampling", action="store_true",
+      help="DAPO: train only on groups whose scores differ, sampling further prompts in rounds to fill the step")
+    a("--max-sample-rounds", type=int, default=10, help="--dynamic-sampling: rounds per step at most, then train on "
+      "the groups kept")
+    a("--overlong-buffer", type=int, default=0, help="DAPO's soft overlong penalty over the last N tokens before "
+      "--max-response-len (0: off)")
+    a("--overlong-penalty", type=float, default=1.0, help="its value at --max-response-len: -alpha")
     a("--rollout-correction", default="none", choices=["none", "token", "sequence"],
       help="correct vLLM-vs-trainer mismatch: truncated importance weights per token, or a per-response mask")
     a("--rollout-correction-cap", type=float, default=2.0, help="C: token weights min(ratio, C); mask [1/C, C]")
@@ -123,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if pre.model in OFFLINE_DEFAULTS:
         p.set_defaults(**OFFLINE_DEFAULTS[pre.model])
     args = p.parse_args(argv)
+    for k, v in POLICY_LOSS_DEFAULTS[args.policy_loss].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.output_dir is None:
         args.output_dir = f"runs/{Path(args.model).name}-{args.agg}"
     return args
@@ -132,17 +155,30 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     """Fail in one line, with the rule, before any expensive work, on settings that cannot run."""
     flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
     at_least_1 = ["minibatches", "micro_batch_size", "steps", "max_prompt_len", "max_response_len", "logprob_chunk",
-                  "eval_interval", "eval_samples", "eval_limit", "save_interval", "max_bad_steps", "reward_workers"]
+                  "eval_interval", "eval_samples", "eval_limit", "save_interval", "max_bad_steps", "reward_workers",
+                  "max_sample_rounds"]
     for k in at_least_1:
         if getattr(args, k) < 1:
             raise ValueError(f"{flag(k)} must be at least 1 (got {getattr(args, k)})")
-    for k in ["lr_warmup_steps", "weight_decay", "kl_coef", "keep_last", "clip_eps_high", "peak_tflops"]:
+    for k in ["lr_warmup_steps", "weight_decay", "kl_coef", "keep_last", "clip_eps_high", "peak_tflops",
+              "overlong_buffer", "overlong_penalty"]:
         if (getattr(args, k) or 0) < 0:
             raise ValueError(f"{flag(k)} must be >= 0 (got {getattr(args, k)})")
+    own = POLICY_LOSS_DEFAULTS[args.policy_loss]
+    for k in ("clip_eps_low", "clip_eps_high", "sapo_tau_pos", "sapo_tau_neg"):
+        if k not in own and getattr(args, k) is not None:
+            raise ValueError(f"{flag(k)} does not apply to --policy-loss {args.policy_loss} (its parameters: "
+                             + ", ".join(map(flag, own)) + ")")
+    low, cispo = args.clip_eps_low, args.policy_loss == "cispo"  # cispo: 1 = no lower bound on the weight
     ranges = {"lr": (args.lr > 0, "> 0"), "temperature": (args.temperature > 0, "> 0 (sampled groups)"),
-              "top_p": (0 < args.top_p <= 1, "in (0, 1]"), "clip_eps_low": (0 <= args.clip_eps_low < 1, "in [0, 1)"),
+              "top_p": (0 < args.top_p <= 1, "in (0, 1]"),
+              "clip_eps_low": (low is None or 0 <= low < 1 or (cispo and low == 1),
+                               "in [0, 1]" if cispo else "in [0, 1)"),
+              "sapo_tau_pos": (args.sapo_tau_pos is None or args.sapo_tau_pos > 0, "> 0"),
+              "sapo_tau_neg": (args.sapo_tau_neg is None or args.sapo_tau_neg > 0, "> 0"),
               "vllm_gpu_memory": (0 < args.vllm_gpu_memory < 1, "in (0, 1)"),
-              "rollout_correction_cap": (args.rollout_correction_cap > 1, "> 1")}
+              "rollout_correction_cap": (args.rollout_correction_cap > 1, "> 1"),
+              "overlong_buffer": (args.overlong_buffer <= args.max_response_len, "at most --max-response-len")}
     for k, (ok, rule) in ranges.items():
         if not ok:
             raise ValueError(f"{flag(k)} must be {rule} (got {getattr(args, k)})")
@@ -188,63 +224,91 @@ def group_advantages(
 
 def aggregation_weights(
     advantages: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str,
-    batch_lengths: torch.Tensor | None = None,
+    batch: torch.Tensor | None = None, max_len: int | None = None,
 ) -> torch.Tensor:
-    """Weights w_i with loss = sum_i w_i sum_t l_it; per group, then averaged over groups.
+    """Weights w_i with loss = sum_i w_i sum_t l_it over a mini-batch of groups of G responses.
 
-    seq:      (1/G) sum_i (1/L_i) sum_t l_it                 -> w_i = 1 / (G L_i)
-    token:    sum_i sum_t l_it / sum_i L_i                   -> w_i = 1 / sum_g L
-    balanced: sum_{S in P,N,Z nonempty} (|S|/G) sum_{i in S} sum_t l_it / sum_{i in S} L_i
-              with P: A>0, N: A<0, Z: A=0                    -> w_i = |S_i| / (G sum_{S_i} L)
-    balanced-batch (this project's variant, not the paper's): balanced with each subset's mean
-              length taken over the whole batch, Lbar_S = mean of L over the batch's responses
-              of S's sign (`batch_lengths`: sign_lengths summed over ranks; default: these
-              responses)                                     -> w_i = 1 / (G Lbar_{S_i})
-              A subset's weight is |S|/G only in expectation, not in every group.
-    A response of length 0 (empty, or masked by --mask-truncated) has no terms: w_i = 0, and it adds
-    no tokens to any denominator.
+    Every rule divides a response's token sum by a length n_i: w_i = 1 / (G n_i), averaged over the
+    mini-batch's groups (a mean over its B / G groups: sum_i w_i sum_t l_it with w_i = 1 / (B n_i)).
+
+    rule            n_i                                      the loss, l = l_it               as in
+    seq             L_i                                      (1/G) sum_i (1/L_i) sum_t l      GRPO
+    token           mean L of the group                      sum_i sum_t l / sum_i L_i        the paper's token-agg
+    balanced        mean L of S_i, the response's sign       sum_S (|S|/G) sum_{i in S}       the paper
+                    subset of its group: P (A>0), N (A<0),     sum_t l / sum_{i in S} L_i
+                    Z (A=0)
+    balanced-batch  mean L of the mini-batch's responses     balanced's balance in            this project
+                    of S_i's sign, all ranks                   expectation, no length term
+    token-batch     mean L of the mini-batch, all ranks      sum_i sum_t l / N, N tokens      verl token-mean, TRL dapo
+    dr-grpo         L_max (max_len: --max-response-len)      sum_i sum_t l / (B L_max)        Dr. GRPO (verl, TRL)
+    seq-sum         1                                        sum_i sum_t l / B                verl seq-mean-token-sum
+
+    `batch`: the mini-batch's `sign_lengths`, summed over ranks (default: these responses alone).
+    A response of length 0 (empty, or masked by --mask-truncated) has no terms: w_i = 0; it adds no
+    tokens to any sum and is no member of a sign subset (token-batch counts it in B, as N / B does).
     """
     A = advantages.view(-1, group_size)
-    L = lengths.view(-1, group_size).to(torch.float64).clamp(min=1)  # an empty response has no terms anyway
+    L0 = lengths.view(-1, group_size).to(torch.float64)
+    L, kept = L0.clamp(min=1), L0 > 0  # clamp: only a masked response's own n_i, which gets no weight
     if agg == "seq":
-        w = 1.0 / (group_size * L)
+        n = L
     elif agg == "token":
-        w = (1.0 / L.sum(dim=1, keepdim=True)).expand_as(L)
+        n = (L0.sum(dim=1, keepdim=True) / group_size).expand_as(L)
     elif agg == "balanced":
-        w = torch.zeros_like(L)
+        n = L.clone()
         for subset in (A > 0, A < 0, A == 0):
-            count = subset.sum(dim=1, keepdim=True)
-            tokens = (L * subset).sum(dim=1, keepdim=True).clamp(min=1)
-            w = torch.where(subset, count / (group_size * tokens), w)
+            members = subset & kept
+            mean = (L0 * members).sum(dim=1, keepdim=True) / members.sum(dim=1, keepdim=True).clamp(min=1)
+            n = torch.where(members, mean, n)
     elif agg == "balanced-batch":
-        sums = sign_lengths(advantages, lengths) if batch_lengths is None else batch_lengths
-        mean = sums[:, 0] / sums[:, 1].clamp(min=1)
-        w = torch.zeros_like(L)
-        for subset, mean_len in zip((A > 0, A < 0, A == 0), mean.clamp(min=1).tolist()):
-            w = torch.where(subset, 1.0 / (group_size * mean_len), w)
+        n, stats = L.clone(), sign_lengths(advantages, lengths) if batch is None else batch
+        for subset, (tokens, responses, _) in zip((A > 0, A < 0, A == 0), stats.tolist()):
+            n = torch.where(subset, max(tokens / max(responses, 1), 1.0), n)
+    elif agg == "token-batch":
+        stats = sign_lengths(advantages, lengths) if batch is None else batch
+        n = torch.full_like(L, stats[:, 0].sum().item() / max(stats[:, 2].sum().item(), 1))
+    elif agg == "dr-grpo":
+        if max_len is None:
+            raise ValueError("dr-grpo needs max_len (--max-response-len)")
+        n = torch.full_like(L, float(max_len))
+    elif agg == "seq-sum":
+        n = torch.ones_like(L)
     else:
         raise ValueError(f"unknown aggregation {agg!r}")
-    w = torch.where(lengths.view(-1, group_size) > 0, w, 0.0)
-    return (w / A.shape[0]).view(-1)  # mean over the groups of the batch
+    w = torch.where(kept, 1.0 / (group_size * n.clamp(min=1e-9)), 0.0)  # the clamp: only unkept n_i are 0
+    return (w / A.shape[0]).view(-1)  # mean over the groups of the mini-batch
 
 
 def sign_lengths(advantages: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[[tokens, responses]] of the A>0, A<0 and A=0 responses; masked (L=0) responses not counted."""
+    """[[tokens, responses, responses with a masked one]] of the A>0, A<0 and A=0 responses; a masked
+    (L=0) response is counted only in the last column. Summed over ranks: a mini-batch's statistics."""
     L, kept = lengths.to(torch.float64), lengths > 0
-    return torch.tensor([[L[s & kept].sum().item(), (s & kept).sum().item()]
+    return torch.tensor([[L[s & kept].sum().item(), (s & kept).sum().item(), s.sum().item()]
                          for s in (advantages > 0, advantages < 0, advantages == 0)], dtype=torch.float64)
 
 
 def loss_weights(advantages: torch.Tensor, rollouts: list[dict], args) -> torch.Tensor:
     """Every w_i of this rank's rollout batch, all the normalisation in one place: the rule's weights
-    (aggregation_weights; a truncated response under --mask-truncated counts as L_i = 0), as a mean
-    over the groups of each mini-batch. Each rank takes the mean over its own groups; DeepSpeed's
-    average of the gradients over ranks completes the global mean (every rank holds as many groups).
+    (aggregation_weights; a truncated response under --mask-truncated counts as L_i = 0) over each
+    mini-batch, whose -batch statistics are summed over ranks. Each rank takes the mean over its own
+    groups; DeepSpeed's average of the gradients over ranks completes the mini-batch's mean (every
+    rank holds as many groups).
     """
     lengths = torch.tensor([0 if args.mask_truncated and r["truncated"] else r["length"] for r in rollouts])
-    batch_lengths = all_reduce(sign_lengths(advantages, lengths)) if args.agg == "balanced-batch" else None
-    w = aggregation_weights(advantages, lengths, args.group_size, args.agg, batch_lengths)
-    return w * args.minibatches  # aggregation_weights averages over all of the batch's groups
+    per_mb = len(rollouts) // args.minibatches
+    parts = [slice(k * per_mb, (k + 1) * per_mb) for k in range(args.minibatches)]
+    batch = [None] * len(parts)
+    if args.agg in ("balanced-batch", "token-batch"):  # one collective for every mini-batch of the step
+        batch = all_reduce(torch.stack([sign_lengths(advantages[s], lengths[s]) for s in parts]))
+    return torch.cat([aggregation_weights(advantages[s], lengths[s], args.group_size, args.agg, b,
+                                          args.max_response_len) for s, b in zip(parts, batch)])
+
+
+def response_mean(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each response's mean of the per-token x, repeated on its tokens (`lengths`: tokens of each, in order)."""
+    owner = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths.to(x.device))
+    total = torch.zeros(len(lengths), dtype=x.dtype, device=x.device).index_add(0, owner, x)
+    return (total / lengths.to(x.device).clamp(min=1))[owner]
 
 
 def rollout_correction(
@@ -261,33 +325,57 @@ def rollout_correction(
     if mode == "token":
         return log_rho.exp().clamp(max=cap)
     if mode == "sequence":
-        owner = torch.repeat_interleave(torch.arange(len(lengths), device=log_rho.device), lengths)
-        total = torch.zeros(len(lengths), dtype=log_rho.dtype, device=log_rho.device).index_add_(0, owner, log_rho)
-        keep = (total / lengths.clamp(min=1)).abs() <= math.log(cap)
-        return keep.to(log_rho.dtype)[owner]
+        return (response_mean(log_rho, lengths).abs() <= math.log(cap)).to(log_rho.dtype)
     return torch.ones_like(log_rho)
 
 
 def policy_loss_per_token(
-    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float | None, eps_high: float | None,
     ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0, correction: torch.Tensor | None = None,
+    loss: str = "ppo", lengths: torch.Tensor | None = None, tau: tuple[float, float] = (1.0, 1.05),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip surrogate with clip-higher, times the rollout correction c (default 1):
-    l = -c min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) [+ beta k3 to the reference]."""
+    """l_t for every response token: r = pi(y_t) / pi_old(y_t), A its response's advantage, c the rollout
+    correction (default 1), sg() stop-gradient; `lengths` (tokens of each response, in order) for gspo.
+
+    ppo    -c min(r A, clip(r, 1-eps_low, 1+eps_high) A)                        PPO-clip, clip-higher (DAPO)
+    gspo   ppo with r replaced by s = sg(s_i) pi / sg(pi), s_i = exp(mean_t log r) of the response:
+           value s_i, gradient s_i grad log pi; clipped per response             GSPO, arXiv 2507.18071
+    cispo  -c sg(clip(r, 1-eps_low, 1+eps_high)) A pi / sg(pi): gradient -c r^ A grad log pi for every
+           token, the importance weight clipped, never the token                CISPO, arXiv 2506.13585
+    sapo   -c A ((4/tau) sigmoid(tau (r - 1)) + 1 - 2/tau), tau = tau_pos if A > 0 else tau_neg:
+           a soft gate for the hard clip                                        SAPO, arXiv 2511.20347
+    [+ beta k3(pi, ref)]
+
+    On-policy (r = 1) every loss has the value -A and the gradient -A grad log pi: they differ only off
+    the rollout policy. (pi / sg(pi) = 1 in value: cispo's value is -c r^ A, not TRL's -c r^ A log pi;
+    sapo's constant 1 - 2/tau has no gradient; both keep loss/pg comparable across losses.)
+    """
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
-    loss = -torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    if loss in ("ppo", "gspo"):
+        r = ratio
+        if loss == "gspo":
+            r = torch.exp(response_mean(log_ratio, lengths).detach() + logp - logp.detach())
+        loss_t = -torch.min(r * adv, r.clamp(1 - eps_low, 1 + eps_high) * adv)
+        clipped = ((r < 1 - eps_low) & (adv < 0)) | ((r > 1 + eps_high) & (adv > 0))
+    elif loss == "cispo":
+        weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
+        loss_t = -weight * adv * torch.exp(logp - logp.detach())
+        clipped = (ratio < 1 - eps_low) | (ratio > 1 + eps_high)
+    elif loss == "sapo":
+        t = torch.where(adv > 0, tau[0], tau[1]).to(ratio.dtype)
+        loss_t = -adv * ((4 / t) * torch.sigmoid(t * (ratio - 1)) + 1 - 2 / t)
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    else:
+        raise ValueError(f"unknown policy loss {loss!r}")
     if correction is not None:
-        loss = loss * correction
-    stats = {
-        "clipped": ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0)),
-        "approx_kl": (ratio - 1) - log_ratio,  # k3 estimate of KL(old || new)
-    }
+        loss_t = loss_t * correction
+    stats = {"clipped": clipped, "approx_kl": (ratio - 1) - log_ratio}  # k3 estimate of KL(old || new)
     if ref_logp is not None:
         ref_kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3 of KL(pi || ref)
-        loss = loss + kl_coef * ref_kl
+        loss_t = loss_t + kl_coef * ref_kl
         stats["ref_kl"] = ref_kl
-    return loss, stats
+    return loss_t, stats
 
 
 # -----------------------------------------------------------------------------
@@ -380,6 +468,8 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
     for start in range(0, len(order), args.micro_batch_size):
         idx = order[start : start + args.micro_batch_size]
         mb = [batch[i] for i in idx]
+        # the optimizer steps after the mini-batch's last micro-batch, however many a short step has
+        engine.set_gradient_accumulation_boundary(start + args.micro_batch_size >= len(order))
         ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
         logp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk)
         n_tok = torch.tensor([r["length"] for r in mb], device=device)
@@ -391,7 +481,8 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
         adv = per_token(torch.tensor([r["advantage"] for r in mb], dtype=logp.dtype))
         w = per_token(weights[idx].to(logp.dtype))
         c = rollout_correction(old, vllm, n_tok, args.rollout_correction, args.rollout_correction_cap)
-        loss_t, st = policy_loss_per_token(logp, old, adv, args.clip_eps_low, args.clip_eps_high, ref, args.kl_coef, c)
+        loss_t, st = policy_loss_per_token(logp, old, adv, args.clip_eps_low, args.clip_eps_high, ref, args.kl_coef, c,
+                                           args.policy_loss, n_tok, (args.sapo_tau_pos, args.sapo_tau_neg))
         loss = (w * loss_t).sum()
         engine.backward(loss, scale_wrt_gas=False)
         engine.step()
@@ -607,16 +698,86 @@ def generate(llm, rows: list[dict], params: list) -> list:
 
 def rollout(llm, rows: list[dict], args, step: int, first_index: int) -> list[dict]:
     """G responses per prompt (prompt j of this rank is prompt first_index + j of the step), each
-    token with the log-prob vLLM sampled it with. On CUDA the engine then sleeps at level 2: its
-    weights are discarded rather than copied to host memory (the sync reloads them anyway) and its
-    KV cache is handed to training."""
+    token with the log-prob vLLM sampled it with."""
     params = sampling_params(args.group_size, args.temperature, args.top_p, args.max_response_len, args.seed,
                              step, range(first_index, first_index + len(rows)), logprobs=0)
-    outputs = generate(llm, rows, params)
-    if torch.cuda.is_available():
-        llm.sleep(level=2)
-        torch.cuda.empty_cache()
-    return to_rollouts(rows, outputs)
+    return to_rollouts(rows, generate(llm, rows, params))
+
+
+def overlong_penalty(length: int, args) -> float:
+    """DAPO's soft overlong punishment: 0 up to L_max - L_buf tokens, then falling linearly to -alpha at
+    L_max = --max-response-len (L_buf: --overlong-buffer, alpha: --overlong-penalty)."""
+    buffer = args.overlong_buffer
+    return -args.overlong_penalty * max(0, length - (args.max_response_len - buffer)) / buffer if buffer else 0.0
+
+
+def score(rollouts: list[dict], args, stats: dict) -> None:
+    """Each response's verifier score (rewards.py) and its reward: the score plus overlong_penalty."""
+    from rewards import compute_rewards, reference
+
+    scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
+                             [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=stats)
+    for r, s in zip(rollouts, scores):
+        r["score"], r["reward"] = s, s + overlong_penalty(r["length"], args)
+
+
+def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, rank: int, world: int,
+                timer: dict, reward_stats: dict) -> tuple[list[dict], list[int], dict[str, float]]:
+    """This rank's share of the step's groups, scored; the data order left; the sampling's metrics.
+
+    One round: --prompts-per-step prompts P, prompt j of rank r being the step's prompt r P/world + j.
+    --dynamic-sampling (DAPO): rounds of P fresh prompts (round k's prompt i has the index k P + i, so
+    a round samples as a plain step would), keeping the groups whose scores are not all equal, until
+    P are kept or --max-sample-rounds have run. The first P kept, in sampling order, are the step's,
+    dealt to the ranks as a plain step's prompts are (deal_groups): which groups a step trains on does
+    not depend on the number of ranks. None kept: the last round's groups, which carry no signal.
+    """
+    P, G, n = args.prompts_per_step, args.group_size, args.prompts_per_step // world
+    held, kept, correct = {}, [], 0.0
+    for rnd in range(args.max_sample_rounds if args.dynamic_sampling else 1):
+        t0 = time.time()
+        batch_idx, order = next_prompts(order, len(train_rows), args, step)
+        first = rnd * P + rank * n
+        rollouts = rollout(llm, [train_rows[i] for i in batch_idx[rank * n : (rank + 1) * n]], args, step, first)
+        timer["rollout"] = timer.get("rollout", 0.0) + time.time() - t0
+        t0 = time.time()
+        score(rollouts, args, reward_stats)
+        timer["reward"] = timer.get("reward", 0.0) + time.time() - t0
+        if not args.dynamic_sampling:
+            return rollouts, order, {}
+        kept += mixed_groups({first + j: rollouts[j * G : (j + 1) * G] for j in range(n)}, held)
+        correct += sum(r["score"] > 0 for r in rollouts)
+        if len(kept) >= P:
+            break
+    rounds = rnd + 1
+    batch = deal_groups(held, kept, P, args.minibatches, rank, world) or rollouts
+    accuracy = all_reduce([correct]).item() / (rounds * P * G)
+    return batch, order, {"sample/rounds": rounds, "sample/prompts": rounds * P, "sample/accuracy": accuracy,
+                          "sample/kept_share": len(kept) / (rounds * P), "sample/groups": len(batch) // G * world}
+
+
+def mixed_groups(groups: dict[int, list[dict]], held: dict[int, list[dict]]) -> list[int]:
+    """Every rank's ids of the groups whose scores are not all equal, in sampling order (one collective);
+    this rank's such `groups` are added to `held`."""
+    mixed = [gid for gid, g in groups.items() if len({r["score"] for r in g}) > 1]
+    held.update((gid, groups[gid]) for gid in mixed)
+    return sorted(gid for part in all_gather_objects(mixed) for gid in part)
+
+
+def deal_groups(held: dict[int, list[dict]], kept: list[int], target: int, minibatches: int, rank: int,
+                world: int) -> list[dict]:
+    """This rank's contiguous block of the first `target` kept groups (`kept`: every rank's, in sampling
+    order; fewer kept: the most that divide into ranks x mini-batches), [] for none. `held`: the kept
+    groups this rank sampled; the others' come over in one collective."""
+    k = min(target, len(kept)) // (world * minibatches) * (world * minibatches)
+    if k == 0:
+        return []
+    share = k // world
+    owner = {gid: i // share for i, gid in enumerate(kept[:k])}
+    leaving = {gid: [{key: v for key, v in r.items() if key not in ("row", "text")} for r in g]
+               for gid, g in held.items() if owner.get(gid, rank) != rank}
+    arrived = {gid: g for part in all_gather_objects(leaving) for gid, g in part.items()}
+    return [r for gid in kept[rank * share : (rank + 1) * share] for r in held.get(gid) or arrived[gid]]
 
 
 def to_rollouts(rows: list[dict], outputs: list) -> list[dict]:
@@ -826,8 +987,9 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
             old = json.loads(old_args.read_text())
         except ValueError:
             raise ValueError(f"{old_args} is not valid JSON: repair or remove it") from None
-        new = vars(args)
-        diff = [k for k in sorted(set(old) | set(new)) if k not in RUN_ARGS_IGNORED and old.get(k) != new.get(k)]
+        new, default = vars(args), vars(parse_args(["--model", args.model]))  # a flag added since: its default
+        diff = [k for k in sorted(set(old) | set(new))
+                if k not in RUN_ARGS_IGNORED and old.get(k, default.get(k)) != new.get(k)]
         if diff:
             shown = ", ".join(f"--{k.replace('_', '-')} {old.get(k)} -> {new.get(k)}" for k in diff[:4])
             raise ValueError(f"{out_dir} holds a run with other arguments ({shown}); "
@@ -837,7 +999,8 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
 
 def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
     """Rank-local sums for the paper's diagnostics (length CV within each group; negative-positive
-    length gap over the groups with both signs); reduced over ranks by step_metrics."""
+    length gap over the groups with both signs); reduced over ranks by step_metrics. Accuracy counts
+    the verifier's score, the mean reward includes --overlong-buffer's shaping."""
     col = lambda k: torch.tensor([float(r[k]) for r in rollouts], dtype=torch.float64).view(-1, group_size)  # noqa: E731
     L, R, A = col("length"), col("reward"), col("advantage")
     mixed = (A > 0).any(1) & (A < 0).any(1)
@@ -845,7 +1008,8 @@ def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
     return {"groups": len(L), "length_cv": (L.std(1, unbiased=False) / L.mean(1)).sum().item(),
             "zero_var_groups": (R.std(1) == 0).sum().item(), "mixed_groups": mixed.sum().item(),
             "length_gap": gap[mixed].sum().item(), "responses": L.numel(), "reward": R.sum().item(),
-            "correct": (R > 0).sum().item(), "length": L.sum().item(), "truncated": col("truncated").sum().item()}
+            "correct": (col("score") > 0).sum().item(), "length": L.sum().item(),
+            "truncated": col("truncated").sum().item()}
 
 
 # -----------------------------------------------------------------------------
@@ -1167,8 +1331,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from rewards import compute_rewards, reference
-
     done = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] if checkpoints else 0
     if done >= args.steps:  # a finished run: say so without starting any engine
         if rank == 0:
@@ -1184,7 +1346,8 @@ def main(argv: list[str] | None = None) -> None:
     start, order, bad_streak = resume(engine, llm, checkpoints, out_dir, rank)
     if rank == 0:
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
-              f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}", flush=True)
+              f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}, policy loss {args.policy_loss} ("
+              + ", ".join(f"{k} {getattr(args, k)}" for k in POLICY_LOSS_DEFAULTS[args.policy_loss]) + ")", flush=True)
     log, close_loggers = open_loggers(args, out_dir, rank, start)
     model_flops, peak = model_flops_fn(engine, args.peak_tflops)
     if eval_rows and start == 0:
@@ -1193,30 +1356,22 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print("[grpo] step 0 eval: " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()), flush=True)
 
-    n_prompts = args.prompts_per_step // world
     metrics = {}
     bar = tqdm(range(start + 1, args.steps + 1), desc=f"grpo[{args.agg}]", disable=rank != 0, dynamic_ncols=True,
                initial=start, total=args.steps)
     for step in bar:
-        timer = {}
-        # 1. rollout: this rank's share of the step's prompts, G responses each
-        t0 = time.time()
-        batch_idx, order = next_prompts(order, len(train_rows), args, step)
-        rows = [train_rows[i] for i in batch_idx[rank * n_prompts : (rank + 1) * n_prompts]]
-        rollouts = rollout(llm, rows, args, step, rank * n_prompts)
-        timer["rollout"] = time.time() - t0
-
-        # 2. reward
-        t0 = time.time()
-        rstats = {}
-        scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
-                                 [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=rstats)
-        timer["reward"] = time.time() - t0
+        timer, rstats = {}, {}
+        # 1-2. rollout and reward: this rank's share of the step's prompts, G scored responses each
+        rollouts, order, sampling = sample_step(llm, train_rows, order, args, step, rank, world, timer, rstats)
+        if cuda:  # level 2: weights discarded, not copied to host (the sync reloads them); KV cache to training
+            llm.sleep(level=2)
+            torch.cuda.empty_cache()
 
         # 3. advantages within each group
-        adv = group_advantages(torch.tensor(scores, dtype=torch.float64), args.group_size, not args.no_std_norm)
-        for r, s, a in zip(rollouts, scores, adv.tolist()):
-            r["reward"], r["advantage"] = s, a
+        adv = group_advantages(torch.tensor([r["reward"] for r in rollouts], dtype=torch.float64), args.group_size,
+                               not args.no_std_norm)
+        for r, a in zip(rollouts, adv.tolist()):
+            r["advantage"] = a
 
         # old log-probs only when the policy moves between mini-batches; ref only with KL
         t0 = time.time()
@@ -1252,7 +1407,8 @@ def main(argv: list[str] | None = None) -> None:
         sync_weights_to_vllm(engine, llm)
         timer["sync"] = time.time() - t0
 
-        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory), "lr": lr}
+        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory), "lr": lr,
+                   **sampling}
         if eval_rows and (step % args.eval_interval == 0 or step == args.steps):
             metrics.update(evaluate(llm, eval_rows, args, rank, world, step, out_dir))
         log(step, metrics)

@@ -19,22 +19,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_grpo  # noqa: E402
 
 
-def fixed_batch(vocab: int, groups: int = 4, group_size: int = 4) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
+def fixed_batch(vocab: int, groups: int = 4, group_size: int = 4, seed: int = 0, zero_var: tuple = ()):
+    """A GRPO batch of `groups` groups, negatives longer; the groups in `zero_var` all score the same."""
+    g = torch.Generator().manual_seed(seed)
     rollouts = []
     rewards = (torch.rand(groups * group_size, generator=g) < 0.5).double()
-    rewards[0], rewards[1] = 1.0, 0.0  # at least one mixed group
+    for k in range(groups):  # mixed groups but those asked for
+        if k in zero_var:
+            rewards[k * group_size : (k + 1) * group_size] = rewards[k * group_size].item()
+        else:
+            rewards[k * group_size], rewards[k * group_size + 1] = 1.0, 0.0
     for i in range(groups * group_size):
         prompt = torch.randint(1, vocab, (5,), generator=g).tolist()
         n = int(torch.randint(2, 12, (1,), generator=g)) + (6 if rewards[i] == 0 else 0)  # negatives longer
         resp = torch.randint(1, vocab, (n,), generator=g).tolist()
-        rollouts.append({"tokens": prompt + resp, "prompt_len": 5, "length": n, "old_logp": None})
-    adv = train_grpo.group_advantages(rewards, group_size)
-    for r, a in zip(rollouts, adv.tolist()):
-        r["advantage"] = a
-        # an off-policy sample so that clipping is exercised too
+        rollouts.append({"tokens": prompt + resp, "prompt_len": 5, "length": n, "truncated": False,
+                         "score": rewards[i].item()})
+    for r in rollouts:  # an off-policy sample so that clipping is exercised too
         r["old_logp"] = torch.full((r["length"],), -6.0) + 0.5 * torch.randn(r["length"], generator=g)
-    return rollouts, adv, torch.tensor([r["length"] for r in rollouts])
+    return rollouts, rewards
+
+
+def dealt_batch(vocab: int, rank: int, world: int, rounds: int, G: int = 4):
+    """--dynamic-sampling's batch through the trainer's own functions: rounds of 4 groups (2 of the first
+    round, 1 of the second score alike), each rank sampling its contiguous share of a round, the first 4
+    mixed groups kept and dealt. Groups move between the ranks in both directions when world = 2."""
+    held, kept = {}, []
+    for rnd, zero_var in list(enumerate([(1, 3), (0,)]))[:rounds]:
+        rollouts, _ = fixed_batch(vocab, 4, G, seed=10 + rnd, zero_var=zero_var)
+        n = 4 // world
+        first = rnd * 4 + rank * n
+        kept += train_grpo.mixed_groups({first + j: rollouts[(rank * n + j) * G : (rank * n + j + 1) * G]
+                                         for j in range(n)}, held)
+    batch = train_grpo.deal_groups(held, kept, 4, 1, rank, world)
+    adv = train_grpo.group_advantages(torch.tensor([r["score"] for r in batch], dtype=torch.float64), G)
+    return batch, adv
+
+
+CASES = [(agg, "ppo", 0) for agg in train_grpo.AGGS] + \
+    [("balanced", loss, 0) for loss in ("gspo", "cispo", "sapo")] + [("balanced", "ppo", 2), ("token-batch", "ppo", 1)]
+
+
+def case_name(agg: str, loss: str, rounds: int) -> str:
+    """seq, gspo (under balanced), dynamic-2 / dynamic-1 (dynamic sampling over 2 rounds / 1 short round)."""
+    return f"dynamic-{rounds}" if rounds else agg if loss == "ppo" else loss
 
 
 def main() -> None:
@@ -45,14 +73,21 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     results = {}
-    # each rule, and each rule again with ZeRO-3's optimizer offloaded to the CPU (its step reads
-    # the accumulation-boundary flag that DeepSpeed's backward prologue sets)
-    for agg, offload in [(a, o) for o in (False, True) for a in ("seq", "token", "balanced", "balanced-batch")]:
+    # each rule, each policy loss, dynamic sampling, and each again with ZeRO-3's optimizer offloaded to
+    # the CPU (its step reads the accumulation-boundary flag that DeepSpeed's backward prologue sets)
+    for (agg, loss_name, rounds), offload in [(c, o) for o in (False, True) for c in CASES]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        rollouts, adv, lengths = fixed_batch(model.config.vocab_size)
         G = 4
-        n_local = len(rollouts) // world  # whole groups per rank
-        lo, hi = rank * n_local, (rank + 1) * n_local
+        if rounds:
+            local, adv = dealt_batch(model.config.vocab_size, rank, world, rounds)
+        else:
+            rollouts, rewards = fixed_batch(model.config.vocab_size)
+            adv_all = train_grpo.group_advantages(rewards, G)
+            n_local = len(rollouts) // world  # whole groups per rank
+            local, adv = rollouts[rank * n_local : (rank + 1) * n_local], adv_all[rank * n_local : (rank + 1) * n_local]
+        for r, a in zip(local, adv.tolist()):
+            r["advantage"] = a
+        n_local = 16 // world  # the engine's batch: a short dynamic-sampling step has fewer
         gas = math.ceil(n_local / micro)
         config = {
             "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
@@ -68,15 +103,20 @@ def main() -> None:
         prologues = []  # DeepSpeed's backward prologue must run on every micro-batch's backward
         real_prologue = engine._backward_prologue
         engine._backward_prologue = lambda: prologues.append(1) or real_prologue()
+        eps = {"gspo": (0.05, 0.05), "cispo": (1.0, 0.5)}.get(loss_name, (0.2, 0.28))
         args = argparse.Namespace(
-            micro_batch_size=micro, pad_id=0, temperature=1.0, logprob_chunk=7,
-            clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0,
-            mask_truncated=False, group_size=G, agg=agg, minibatches=1,
+            micro_batch_size=micro, pad_id=0, temperature=1.0, logprob_chunk=7, policy_loss=loss_name,
+            clip_eps_low=eps[0], clip_eps_high=eps[1], sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0,
+            rollout_correction="none", rollout_correction_cap=2.0, mask_truncated=False, group_size=G, agg=agg,
+            minibatches=1, max_response_len=17,
         )
-        for r in rollouts:
-            r["truncated"] = False
-        w = train_grpo.loss_weights(adv[lo:hi], rollouts[lo:hi], args)  # the trainer's: a mean over this rank's groups
-        sums = train_grpo.update_minibatch(engine, rollouts[lo:hi], w, args, torch.device("cpu"))
+        if loss_name != "ppo":  # ratios near 1 (the policy's own log-probs, perturbed): some clipped, some not
+            train_grpo.fill_logprobs(engine, local, "old_logp", args, torch.device("cpu"))
+            for r in local:  # the same noise for a response on any rank
+                g = torch.Generator().manual_seed(hash(tuple(r["tokens"])) % 2**31)
+                r["old_logp"] = r["old_logp"] + 0.3 * torch.randn(r["length"], generator=g)
+        w = train_grpo.loss_weights(adv, local, args)  # the trainer's: a mean over this rank's groups
+        sums = train_grpo.update_minibatch(engine, local, w, args, torch.device("cpu"))
         loss = torch.tensor([sums["pg_loss"]], dtype=torch.float64)
         dist.all_reduce(loss)
         loss /= world  # each rank's loss is the mean over its own groups
@@ -84,8 +124,10 @@ def main() -> None:
         for name, p in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([p]):
                 delta[name] = (p.data - before[name]).clone()
-        key = agg + ("-offload" if offload else "")
-        results[key] = {"delta": delta, "loss": loss.item(), "prologues": len(prologues), "micro_steps": gas}
+        key = case_name(agg, loss_name, rounds) + ("-offload" if offload else "")
+        results[key] = {"delta": delta, "loss": loss.item(), "prologues": len(prologues),
+                        "micro_steps": math.ceil(len(local) / micro), "responses": len(local) * world,
+                        "clipped": sums["clipped"]}
     if rank == 0:
         torch.save(results, out)
 

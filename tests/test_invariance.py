@@ -19,14 +19,18 @@ def deltas(demo_dir, tmp_path_factory):
     return out
 
 
-RULES = ["seq", "token", "balanced", "balanced-batch"]
+CASES = ["seq", "token", "balanced", "balanced-batch", "token-batch", "dr-grpo", "seq-sum",  # the rules (ppo)
+         "gspo", "cispo", "sapo",  # the policy losses, under balanced
+         "dynamic-2", "dynamic-1"]  # dynamic sampling: 2 rounds fill the step; 1 round leaves it half full
 
 
-@pytest.mark.parametrize("agg", RULES + [f"{rule}-offload" for rule in RULES])
-def test_gradient_same_for_1_rank_full_batch_and_2_ranks_micro_1(agg, deltas):
-    one, two = deltas[1][agg], deltas[2][agg]
+@pytest.mark.parametrize("case", CASES + [f"{case}-offload" for case in CASES])
+def test_gradient_same_for_1_rank_full_batch_and_2_ranks_micro_1(case, deltas):
+    one, two = deltas[1][case], deltas[2][case]
     # the loss is built from the engine's output, so DeepSpeed's backward prologue ran every time
-    assert one["prologues"] == one["micro_steps"] and two["prologues"] == two["micro_steps"] == 8
+    assert one["prologues"] == one["micro_steps"] and two["prologues"] == two["micro_steps"]
+    assert two["micro_steps"] == (4 if case.startswith("dynamic-1") else 8)
+    assert one["responses"] == two["responses"] == (8 if case.startswith("dynamic-1") else 16)
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-9)
     flat1 = torch.cat([one["delta"][k].flatten() for k in sorted(one["delta"])])
     flat2 = torch.cat([two["delta"][k].flatten() for k in sorted(two["delta"])])
@@ -38,7 +42,17 @@ def test_gradient_same_for_1_rank_full_batch_and_2_ranks_micro_1(agg, deltas):
     torch.testing.assert_close(flat2, flat1, rtol=1e-4, atol=atol)
 
 
-def test_the_rules_give_different_gradients(deltas):
-    # guards against a probe that ignores the rule: seq and token weigh this batch differently
-    seq, token = deltas[1]["seq"]["delta"], deltas[1]["token"]["delta"]
-    assert not all(torch.allclose(seq[k], token[k]) for k in seq)
+def test_the_cases_give_different_gradients(deltas):
+    # guards against a probe that ignores the rule, the loss or the sampling: each case's gradient differs
+    # from the others' (the two sum rules only by a constant: dr-grpo's 1 / L_max)
+    flat = {case: torch.cat([d["delta"][k].flatten() for k in sorted(d["delta"])])
+            for case, d in deltas[1].items() if not case.endswith("offload")}
+    eps = torch.finfo(torch.float32).eps  # the deltas' own rounding (see above), times 17
+    torch.testing.assert_close(flat["dr-grpo"] * 17, flat["seq-sum"], rtol=1e-4,
+                               atol=1e-5 * float(flat["seq-sum"].abs().max()) + 17 * 2 * eps)
+    distinct = [c for c in CASES if c != "dr-grpo"]
+    for i, a in enumerate(distinct):
+        for b in distinct[i + 1 :]:
+            assert not torch.allclose(flat[a], flat[b], rtol=1e-3, atol=1e-7), (a, b)
+    # the off-policy batches clip: ppo and gspo drop some tokens' gradients, cispo truncates some weights
+    assert all(deltas[1][c]["clipped"] > 0 for c in ("balanced", "gspo", "cispo"))
