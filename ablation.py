@@ -4,14 +4,17 @@ Figures 1-3 (mean ± std over seeds).
     python ablation.py                        # the aggregation lab on the CPU: 3 rules x 3 seeds
     python ablation.py --model lab-nogap      # the control: the same lengths, no sign-length gap
     python ablation.py --model lab-nogap-hi   # the same control, above 50% accuracy
+    python ablation.py --aggs all             # every rule of train_grpo.py (the README's side-by-side table)
+    python ablation.py --losses ppo gspo cispo sapo --out runs/losses-lab -- --minibatches 4   # policy losses
     python ablation.py --model Qwen/Qwen2.5-Math-7B --seeds 1 --out runs/ablation-7b \\
         --eval-args "--benchmarks aime24,amc23,math500 --template dapo --n 8" \\
         -- --dataset BytedTsinghua-SIA/DAPO-Math-17k --template dapo    # paper scale (args after -- go to the trainer)
 
-Each run is `deepspeed train_grpo.py --model M --agg A --seed S --output-dir OUT/M-A-sS ...`, its
-output in OUT/M-A-sS.log; a finished run is skipped and an interrupted one resumes, so the same
-command continues an ablation that was stopped. Then `evaluate.py --run OUT/M-*-s* --plot --out OUT`
-scores every checkpoint and the initial policy, and writes OUT/eval_table.md and the figures.
+Each run is `deepspeed train_grpo.py --model M --agg A --seed S --output-dir OUT/M-A-sS ...` (with a
+policy loss other than ppo: `--policy-loss P`, OUT/M-A-P-sS), its output in OUT/M-A-sS.log; a finished
+run is skipped and an interrupted one resumes, so the same command continues an ablation that was
+stopped. Then `evaluate.py --run OUT/M-*-s* --plot --out OUT` scores every checkpoint and the initial
+policy, and writes OUT/eval_table.md and the figures.
 """
 
 from __future__ import annotations
@@ -45,13 +48,21 @@ def main() -> None:
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="lab", help="'lab', 'lab-nogap(-hi)', 'demo', a checkpoint or a hub id")
-    p.add_argument("--aggs", nargs="+", default=["seq", "token", "balanced"],
-                   choices=["seq", "token", "balanced", "balanced-batch"])
+    import train_grpo
+
+    p.add_argument("--aggs", nargs="+", default=["seq", "token", "balanced"], choices=train_grpo.AGGS + ["all"],
+                   help="aggregation rules ('all': every rule)")
+    p.add_argument("--losses", nargs="+", default=["ppo"], choices=list(train_grpo.POLICY_LOSS_DEFAULTS),
+                   help="policy losses, each with every rule")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--nproc", type=int, default=None, help="ranks per run (default: GPUs, or 2 on the CPU)")
     p.add_argument("--out", default=None, help="default runs/ablation-MODEL")
     p.add_argument("--eval-args", default=None, help=f"evaluate.py's arguments (offline policies: {LAB_EVAL!r})")
     args = p.parse_args(argv)
+    if "all" in args.aggs:
+        args.aggs = train_grpo.AGGS
+    if "--policy-loss" in train_extra:
+        p.error("give policy losses with --losses, not to the trainer after --")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -67,12 +78,13 @@ def main() -> None:
     # every run's and the evaluation's arguments checked before the first run starts (argparse
     # errors exit here with their own one-line message)
     import evaluate
-    import train_grpo
 
+    settings = [(agg, loss) for loss in args.losses for agg in args.aggs]
     try:
-        for agg in args.aggs:
-            trial = train_grpo.parse_args(["--model", args.model, "--agg", agg, "--seed", str(args.seeds[0]),
-                                           "--output-dir", str(out / "check"), "--eval-dataset", "", *train_extra])
+        for agg, loss in settings:
+            trial = train_grpo.parse_args(["--model", args.model, "--agg", agg, "--policy-loss", loss, "--seed",
+                                           str(args.seeds[0]), "--output-dir", str(out / "check"), "--eval-dataset",
+                                           "", *train_extra])
             train_grpo.check_args(trial, nproc)
             train_grpo.deepspeed_config(trial, nproc)
         evaluate.parse_args(["--run", str(out), *eval_args])
@@ -82,8 +94,8 @@ def main() -> None:
 
     t_all, runs = time.time(), []
     for seed in args.seeds:
-        for agg in args.aggs:
-            run = out / f"{Path(args.model).name}-{agg}-s{seed}"
+        for agg, loss in settings:
+            run = out / f"{Path(args.model).name}-{agg}{'' if loss == 'ppo' else '-' + loss}-s{seed}"
             runs.append(run)
             if finished(run):
                 print(f"[ablation] {run.name}: already trained", flush=True)
@@ -91,8 +103,8 @@ def main() -> None:
             t0 = time.time()
             # the trainer's own held-out evaluation is left to evaluate.py (every checkpoint, all seeds)
             cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "train_grpo.py",
-                   "--model", args.model, "--agg", agg, "--seed", str(seed), "--output-dir", str(run),
-                   "--eval-dataset", "", *train_extra]
+                   "--model", args.model, "--agg", agg, "--policy-loss", loss, "--seed", str(seed),
+                   "--output-dir", str(run), "--eval-dataset", "", *train_extra]
             with open(out / f"{run.name}.log", "a") as log:
                 rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
             if rc != 0 or not finished(run):

@@ -3,6 +3,7 @@ the length drift it produced in training (README "Is balanced aggregation length
 
     python length_drift.py runs/ablation-lab-nogap-hi        # an ablation.py output directory
     python length_drift.py --model lab-nogap-hi --simulate   # before training: the initial policy alone
+    python length_drift.py --model lab --predict             # every rule's coupling and push, before training
 
 The model. A policy that stops at position t with probability h_t (one logit per position) gets,
 from an on-policy GRPO step with weights w_i and advantages A_i, the gradient
@@ -19,6 +20,12 @@ the training temperature (ablation.py: n = 8 = G): groups of the policy's own re
 checkpoint this prints the push of every rule on those groups as they are, and in expectation with
 the lengths shuffled across the checkpoint's responses (length independent of reward: the rule's own
 term), next to the training metrics of the runs (mean response length, accuracy) at that step.
+
+The coupling (the paper's Figure 2). On-policy, every policy loss's token term is -A_i, so the
+aggregated pg loss of a step is -sum_i w_i A_i L_i: 0 for rules whose weights balance a group's signs
+(seq, balanced), positive where longer failures carry more weight. `--predict` prints it per rule,
+with the sum rules' scale divided out (-sum w A L / sum w L, the token-weighted mean of -A: Adam
+removes a rule's overall scale, not how it weighs one token against another), next to the push.
 """
 
 from __future__ import annotations
@@ -34,7 +41,20 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-RULES = ["seq", "token", "balanced", "balanced-batch"]
+from train_grpo import AGGS as RULES  # noqa: E402
+
+MAX_LEN = 48  # dr-grpo's L_max: the lab's --max-response-len
+
+
+def rule_weights(adv: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str, batch_groups: int = 32,
+                 max_len: int = MAX_LEN) -> torch.Tensor:
+    """The trainer's weights on steps of `batch_groups` groups (the lab's 32 prompts per step), scaled so
+    that a sum over all responses is the mean over steps of each step's sum."""
+    from train_grpo import aggregation_weights
+
+    size, L = batch_groups * group_size, lengths.long()
+    return torch.cat([aggregation_weights(adv[i : i + size], L[i : i + size], group_size, agg, max_len=max_len)
+                      * len(adv[i : i + size]) for i in range(0, len(L), size)]) / len(L)
 
 
 def hazard_push(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str,
@@ -42,17 +62,33 @@ def hazard_push(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, a
     """sum_i w_i A_i (1 - H(L_i)) per group (groups: consecutive runs of group_size responses),
     with the hazard of the `population` lengths (default: these) and the weights of rollout
     batches of `batch_groups` groups (the lab's 32 prompts per step)."""
-    from train_grpo import aggregation_weights, group_advantages
+    from train_grpo import group_advantages
 
     L, pop = lengths.long(), (lengths if population is None else population).long()
     counts = torch.bincount(pop, minlength=int(max(L.max(), pop.max())) + 1).double()
     at_risk = counts.flip(0).cumsum(0).flip(0)  # #{L >= t}
     cum_hazard = (counts / at_risk.clamp(min=1)).cumsum(0)
     adv = group_advantages(rewards.double(), group_size)
-    size = batch_groups * group_size
-    w = torch.cat([aggregation_weights(adv[i : i + size], L[i : i + size], group_size, agg) * len(adv[i : i + size])
-                   for i in range(0, len(L), size)]) / len(L)  # every batch's mean over its groups, then over batches
+    w = rule_weights(adv, L, group_size, agg, batch_groups)
     return float((w * adv * (1 - cum_hazard[L])).sum())
+
+
+def loss_scale(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str) -> float:
+    """sum_i w_i L_i of a step: 1 for the rules that take a mean of token terms, L-bar for seq-sum."""
+    from train_grpo import group_advantages
+
+    return float((rule_weights(group_advantages(rewards.double(), group_size), lengths, group_size, agg)
+                  * lengths).sum())
+
+
+def coupling(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str) -> tuple[float, float]:
+    """(the on-policy pg loss of a step, -sum_i w_i A_i L_i; the same over loss_scale)."""
+    from train_grpo import group_advantages
+
+    adv = group_advantages(rewards.double(), group_size)
+    w = rule_weights(adv, lengths, group_size, agg)
+    loss = float(-(w * adv * lengths).sum())
+    return loss, loss / loss_scale(rewards, lengths, group_size, agg)
 
 
 def shuffled_push(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str, draws: int = 200) -> float:
@@ -112,6 +148,7 @@ def main() -> None:
     p.add_argument("ablation", nargs="?", help="an ablation.py output directory (runs MODEL-AGG-sSEED inside)")
     p.add_argument("--model", help="with --simulate: the policy whose cached samples give the lengths")
     p.add_argument("--simulate", action="store_true", help="E[push] at accuracies 0.1..0.9 over the lengths")
+    p.add_argument("--predict", action="store_true", help="every rule's coupling and push on the policy's samples")
     p.add_argument("--eval-args", default=LAB_EVAL, help="evaluate.py settings the samples were cached with")
     args = p.parse_args()
     if (args.ablation is None) == (args.model is None):
@@ -119,6 +156,20 @@ def main() -> None:
     import evaluate
 
     ev = evaluate.parse_args(["--run", "x", *shlex.split(args.eval_args)])
+    if args.model and args.predict:
+        from data.demo import model_dir
+
+        rewards, lengths, n = checkpoint_samples(model_dir(args.model), ev)
+        print(f"{args.model}: accuracy {rewards.mean():.3f}, mean length {lengths.double().mean():.1f} "
+              f"({len(lengths)} samples, groups of {n}, steps of 32 groups, L_max {MAX_LEN})\n")
+        print("| rule | sum w L | coupling: pg loss at step 1 | scale-free | push x1000, as sampled | "
+              "push x1000, lengths shuffled |\n|---|---|---|---|---|---|")
+        for agg in RULES:  # scale-free: over sum w L, a step's total token weight (1 for the mean rules)
+            (loss, share), total = coupling(rewards, lengths, n, agg), loss_scale(rewards, lengths, n, agg)
+            print(f"| {agg} | {total:.3g} | {loss:+.4f} | {share:+.4f} | "
+                  f"{1000 * hazard_push(rewards, lengths, n, agg) / total:+.2f} | "
+                  f"{1000 * shuffled_push(rewards, lengths, n, agg, draws=50) / total:+.2f} |")
+        return
     if args.model:
         from data.demo import model_dir
 
