@@ -71,7 +71,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     # the trainer's flags that its functions read
     args.temperature, args.top_p = 1.0, 1.0
-    args.clip_eps_low, args.clip_eps_high, args.kl_coef = 0.2, 0.28, 0.0
+    args.policy_loss, args.clip_eps_low, args.clip_eps_high, args.kl_coef = "ppo", 0.2, 0.28, 0.0
+    args.sapo_tau_pos, args.sapo_tau_neg = None, None
     args.rollout_correction, args.rollout_correction_cap, args.peak_tflops = "none", 2.0, None
     args.prompts_per_step, args.minibatches, args.lr, args.weight_decay = 0, 1, 1e-6, 0.0
     args.lr_warmup_steps, args.ds_config, args.seed = 0, str(ROOT / "ds_config.json"), 0

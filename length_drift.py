@@ -4,6 +4,8 @@ the length drift it produced in training (README "Is balanced aggregation length
     python length_drift.py runs/ablation-lab-nogap-hi        # an ablation.py output directory
     python length_drift.py --model lab-nogap-hi --simulate   # before training: the initial policy alone
     python length_drift.py --model lab --predict             # every rule's coupling and push, before training
+    python length_drift.py --summary runs/ablation-lab runs/ablation-lab-nogap runs/ablation-lab-nogap-hi \
+        --figure docs/workbench.png                          # the README's side-by-side table and figure
 
 The model. A policy that stops at position t with probability h_t (one logit per position) gets,
 from an on-policy GRPO step with weights w_i and advantages A_i, the gradient
@@ -141,6 +143,113 @@ def mean_std(xs: list[float]) -> str:
     return f"{m:.1f} ± {s:.1f}"
 
 
+def setting_runs(ablation: Path) -> dict[tuple[str, str], list[Path]]:
+    """An ablation directory's runs by (rule, policy loss), in the trainer's order of the rules."""
+    out = defaultdict(list)
+    for run in sorted(p for p in ablation.iterdir() if (p / "args.json").exists()):
+        a = json.loads((run / "args.json").read_text())
+        out[(a["agg"], a.get("policy_loss", "ppo"))].append(run)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][1] != "ppo", kv[0][1], RULES.index(kv[0][0]))))
+
+
+def scale_free(metrics: dict, agg: str) -> float:
+    """A step's loss/pg over its total token weight sum_i w_i L_i (loss_scale): L-bar for seq-sum,
+    L-bar / L_max for dr-grpo, 1 for the others."""
+    return metrics["loss/pg"] / {"seq-sum": metrics["length/mean"],
+                                 "dr-grpo": metrics["length/mean"] / MAX_LEN}.get(agg, 1.0)
+
+
+def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path | None) -> None:
+    """The README's side-by-side table: per rule (and policy loss), mean ± std over seeds, of the lab's
+    coupling (loss/pg over steps 1-5, raw and scale-free), each task's mean length over steps 36-40,
+    the controls' push (lengths shuffled, scale-free, mean over the run's checkpoints) and each task's
+    Acc@8 at the peak and the last checkpoint."""
+    import evaluate
+
+    def acc(run: Path) -> tuple[float, float]:  # from evaluate.py's results, cached with each checkpoint
+        per_step = {s: json.loads((evaluate.cache_dir(c, eval_args) / "results.json").read_text())["results"]
+                    for s, c in evaluate.run_checkpoints(str(run))}
+        pl = evaluate.peak_and_last(per_step, eval_args.n)
+        return tuple(100 * pl[k][1]["average"][f"acc@{eval_args.n}"] for k in ("peak", "last"))
+
+    def steps(run: Path) -> dict[int, dict]:
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        return {m["step"]: m for m in lines if "loss/pg" in m}
+
+    def fmt(xs: list[float], digits: int = 1, sign: bool = False) -> str:
+        m = sum(xs) / len(xs)
+        sd = (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
+        return f"{m:{'+' if sign else ''}.{digits}f} ± {sd:.{digits}f}"
+
+    tasks = {Path(a).name.split("-", 1)[1] if "-" in Path(a).name else Path(a).name: setting_runs(Path(a))
+             for a in ablations}
+    settings = list(dict.fromkeys(k for runs in tasks.values() for k in runs))
+    head = ["rule"]
+    for task in tasks:
+        head += ([f"{task}: pg loss, steps 1-5", "scale-free"] if "nogap" not in task else [f"{task}: push x1000"])
+        head += [f"{task}: length, steps 36-40", f"{task}: Acc@8 peak / last"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    curves = defaultdict(dict)
+    for agg, loss in settings:
+        cells = [agg if loss == "ppo" else f"{agg}, {loss}"]
+        for task, by_setting in tasks.items():
+            runs = by_setting.get((agg, loss), [])
+            if not runs:
+                cells += ["-"] * (3 if "nogap" in task else 4)
+                continue
+            per_run = [steps(r) for r in runs]
+            if "nogap" not in task:
+                cells.append(fmt([sum(m[s]["loss/pg"] for s in range(1, 6)) / 5 for m in per_run], 4, True))
+                cells.append(fmt([sum(scale_free(m[s], agg) for s in range(1, 6)) / 5 for m in per_run], 4, True))
+            else:
+                pushes = []
+                for run in runs:
+                    samples = [checkpoint_samples(c, eval_args) for _, c in evaluate.run_checkpoints(str(run))]
+                    pushes.append(sum(1000 * shuffled_push(r, L, n, agg, draws=20) / loss_scale(r, L, n, agg)
+                                      for r, L, n in samples) / len(samples))
+                cells.append(fmt(pushes, 2, True))
+            cells.append(fmt([sum(m[s]["length/mean"] for s in range(36, 41)) / 5 for m in per_run]))
+            peaks_lasts = [acc(r) for r in runs]
+            cells.append(f"{fmt([p for p, _ in peaks_lasts])} / {fmt([x for _, x in peaks_lasts])}")
+            for key in ("loss/pg", "length/mean"):
+                curves[(task, key)][(agg, loss)] = [[scale_free(m[s], agg) if key == "loss/pg" else m[s][key]
+                                                     for s in sorted(m)] for m in per_run]
+        print("| " + " | ".join(cells) + " |")
+    if figure is not None:
+        plot_summary(curves, list(tasks), figure)
+
+
+def plot_summary(curves: dict, tasks: list[str], path: Path) -> None:
+    """The lab's scale-free pg loss and every task's mean response length per step, mean ± std over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(t, "loss/pg") for t in tasks if "nogap" not in t] + [(t, "length/mean") for t in tasks]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
+    for ax, (task, key) in zip(axes[0], panels):
+        for i, ((agg, loss), runs) in enumerate(curves[(task, key)].items()):
+            n = min(map(len, runs))
+            mean = [sum(r[k] for r in runs) / len(runs) for k in range(n)]
+            sd = [(sum((r[k] - mean[k]) ** 2 for r in runs) / max(1, len(runs) - 1)) ** 0.5 for k in range(n)]
+            x = list(range(1, n + 1))
+            style = "--" if agg in ("dr-grpo", "seq-sum") else "-"
+            ax.plot(x, mean, style, color=f"C{i}", label=agg if loss == "ppo" else f"{agg}, {loss}")
+            ax.fill_between(x, [m - e for m, e in zip(mean, sd)], [m + e for m, e in zip(mean, sd)],
+                            color=f"C{i}", alpha=0.12)
+        title = "pg loss / total token weight" if key == "loss/pg" else "mean response length (tokens)"
+        ax.set(title=f"{task}: {title}", xlabel="step")
+        if key == "loss/pg":
+            ax.axhline(0, color="grey", linewidth=0.8)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"figure: {path}")
+
+
 def main() -> None:
     from ablation import LAB_EVAL
 
@@ -149,13 +258,18 @@ def main() -> None:
     p.add_argument("--model", help="with --simulate: the policy whose cached samples give the lengths")
     p.add_argument("--simulate", action="store_true", help="E[push] at accuracies 0.1..0.9 over the lengths")
     p.add_argument("--predict", action="store_true", help="every rule's coupling and push on the policy's samples")
+    p.add_argument("--summary", nargs="+", help="ablation directories: the README's side-by-side table")
+    p.add_argument("--figure", help="with --summary: write its figure here (.png)")
     p.add_argument("--eval-args", default=LAB_EVAL, help="evaluate.py settings the samples were cached with")
     args = p.parse_args()
-    if (args.ablation is None) == (args.model is None):
-        p.error("give an ablation directory or --model")
+    if sum(x is not None for x in (args.ablation, args.model, args.summary)) != 1:
+        p.error("give an ablation directory, --model or --summary")
     import evaluate
 
     ev = evaluate.parse_args(["--run", "x", *shlex.split(args.eval_args)])
+    if args.summary:
+        summary([Path(a) for a in args.summary], ev, Path(args.figure) if args.figure else None)
+        return
     if args.model and args.predict:
         from data.demo import model_dir
 

@@ -749,11 +749,11 @@ def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, 
         correct += sum(r["score"] > 0 for r in rollouts)
         if len(kept) >= P:
             break
-    rounds = rnd + 1
-    batch = deal_groups(held, kept, P, args.minibatches, rank, world) or rollouts
+    rounds, batch = rnd + 1, deal_groups(held, kept, P, args.minibatches, rank, world)
     accuracy = all_reduce([correct]).item() / (rounds * P * G)
-    return batch, order, {"sample/rounds": rounds, "sample/prompts": rounds * P, "sample/accuracy": accuracy,
-                          "sample/kept_share": len(kept) / (rounds * P), "sample/groups": len(batch) // G * world}
+    return batch or rollouts, order, {"sample/rounds": rounds, "sample/prompts": rounds * P,
+                                      "sample/accuracy": accuracy, "sample/kept_share": len(kept) / (rounds * P),
+                                      "sample/groups": len(batch) // G * world}
 
 
 def mixed_groups(groups: dict[int, list[dict]], held: dict[int, list[dict]]) -> list[int]:
@@ -991,7 +991,7 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
         diff = [k for k in sorted(set(old) | set(new))
                 if k not in RUN_ARGS_IGNORED and old.get(k, default.get(k)) != new.get(k)]
         if diff:
-            shown = ", ".join(f"--{k.replace('_', '-')} {old.get(k)} -> {new.get(k)}" for k in diff[:4])
+            shown = ", ".join(f"--{k.replace('_', '-')} {old.get(k, default.get(k))} -> {new.get(k)}" for k in diff[:4])
             raise ValueError(f"{out_dir} holds a run with other arguments ({shown}); "
                              "use another --output-dir, or --resume to continue it with these")
     return checkpoints

@@ -59,7 +59,27 @@ RANGES = [
     (["--clip-eps-low", "1.5"], "--clip-eps-low must be in [0, 1)"),
     (["--vllm-gpu-memory", "1.5"], "--vllm-gpu-memory must be in (0, 1)"),
     (["--model", ""], "--model is empty"),
+    (["--clip-eps-low", "1"], "--clip-eps-low must be in [0, 1) (got 1.0)"),
+    (["--policy-loss", "cispo", "--clip-eps-low", "1.1"], "--clip-eps-low must be in [0, 1] (got 1.1)"),
+    (["--policy-loss", "sapo", "--clip-eps-high", "0.3"],
+     "--clip-eps-high does not apply to --policy-loss sapo (its parameters: --sapo-tau-pos, --sapo-tau-neg)"),
+    (["--sapo-tau-neg", "1"], "--sapo-tau-neg does not apply to --policy-loss ppo"),
+    (["--policy-loss", "sapo", "--sapo-tau-pos", "0"], "--sapo-tau-pos must be > 0 (got 0.0)"),
+    (["--max-sample-rounds", "0"], "--max-sample-rounds must be at least 1 (got 0)"),
+    (["--overlong-buffer", "4000"], "--overlong-buffer must be at most --max-response-len (got 4000)"),
+    (["--overlong-penalty=-1"], "--overlong-penalty must be >= 0 (got -1.0)"),
 ]
+
+
+def test_each_policy_loss_gets_its_papers_defaults_unless_a_flag_is_given():
+    args = {loss: train_grpo.parse_args(["--policy-loss", loss]) for loss in ("ppo", "gspo", "cispo", "sapo")}
+    assert (args["ppo"].clip_eps_low, args["ppo"].clip_eps_high) == (0.2, 0.28)
+    assert (args["gspo"].clip_eps_low, args["gspo"].clip_eps_high) == (3e-4, 4e-4)
+    assert (args["cispo"].clip_eps_low, args["cispo"].clip_eps_high) == (1.0, 4.0)
+    assert (args["sapo"].sapo_tau_pos, args["sapo"].sapo_tau_neg, args["sapo"].clip_eps_low) == (1.0, 1.05, None)
+    assert train_grpo.parse_args(["--policy-loss", "gspo", "--clip-eps-high", "1e-3"]).clip_eps_high == 1e-3
+    for a in args.values():
+        train_grpo.check_args(a, world=1)
 
 
 @pytest.mark.parametrize("flags,message", RANGES, ids=[" ".join(f) for f, _ in RANGES])

@@ -14,6 +14,8 @@ import torch
 from conftest import ROOT, cpu_env, deepspeed_run, wandb_log
 from safetensors.torch import load_file
 
+import train_grpo
+
 RUN = ["--steps", "5", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4", "--minibatches", "2",
        "--micro-batch-size", "4", "--eval-limit", "4", "--eval-interval", "100", "--lr", "1e-3",
        "--lr-warmup-steps", "4"]  # the schedule's position must survive a resume too
@@ -198,3 +200,17 @@ def test_output_dir_of_a_different_run(tmp_path):
     res = run_cli("--output-dir", str(out), "--agg", "balanced")
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "holds a run with other arguments (--agg token -> balanced" in res.stderr
+
+
+def test_a_run_from_before_a_flag_existed_is_the_same_run(tmp_path):
+    # an args.json written before --policy-loss, --dynamic-sampling, ... existed: those flags at their
+    # defaults are the same run; at another value they are not
+    args = train_grpo.parse_args(["--output-dir", str(tmp_path)])
+    old = {k: v for k, v in vars(args).items()
+           if k not in ("policy_loss", "sapo_tau_pos", "sapo_tau_neg", "dynamic_sampling", "max_sample_rounds",
+                        "overlong_buffer", "overlong_penalty")}
+    (tmp_path / "args.json").write_text(json.dumps(old))
+    assert train_grpo.check_output_dir(args, tmp_path, world=1) == []
+    with pytest.raises(ValueError, match="--dynamic-sampling False -> True"):
+        train_grpo.check_output_dir(train_grpo.parse_args(["--output-dir", str(tmp_path), "--dynamic-sampling"]),
+                                    tmp_path, world=1)

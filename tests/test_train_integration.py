@@ -34,14 +34,21 @@ def hf_greedy(model_dir, prompts, max_new_tokens):
     return texts
 
 
+DAPO = ["--dynamic-sampling", "--overlong-buffer", "8"]  # every 7-token demo answer loses 3/8 of its reward
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("agg,minibatches,correction", [("seq", 1, "none"), ("token", 2, "token"),
-                                                       ("balanced", 2, "sequence")])
-def test_two_rank_run(agg, minibatches, correction, demo_dir, tmp_path):
+@pytest.mark.parametrize("agg,minibatches,correction,loss,extra", [
+    ("seq", 1, "none", "ppo", []), ("token", 2, "token", "gspo", []), ("balanced", 2, "sequence", "sapo", []),
+    ("token-batch", 2, "none", "cispo", DAPO)])
+def test_two_rank_run(agg, minibatches, correction, loss, extra, demo_dir, tmp_path):
     out = tmp_path / "run"
     res = deepspeed_run(2, "train_grpo.py", "--agg", agg, "--minibatches", str(minibatches), "--output-dir", str(out),
-                        "--rollout-correction", correction, *FLAGS, port=29620)
+                        "--rollout-correction", correction, "--policy-loss", loss, *extra, *FLAGS, port=29620)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    defaults = {"ppo": "clip_eps_low 0.2, clip_eps_high 0.28", "gspo": "clip_eps_low 0.0003, clip_eps_high 0.0004",
+                "sapo": "sapo_tau_pos 1.0, sapo_tau_neg 1.05", "cispo": "clip_eps_low 1.0, clip_eps_high 4.0"}
+    assert f"policy loss {loss} ({defaults[loss]})" in res.stdout  # each paper's defaults, said at start
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["step"] >= 1]
@@ -62,6 +69,16 @@ def test_two_rank_run(agg, minibatches, correction, demo_dir, tmp_path):
     assert any(not r["train/no_signal"] for r in train)
     if minibatches > 1:  # a second update per rollout uses stored old log-probs: ratios move
         assert any(r["loss/approx_kl"] > 0 for r in train)
+    if loss == "gspo":  # its 4e-4 bound clips whole responses of the second mini-batch
+        assert any(r["loss/clip_frac"] > 0.05 for r in train)
+    if "--dynamic-sampling" in extra:
+        for r in train:  # every group trained on has scores that differ; the step is full unless rounds ran out
+            assert r["sample/groups"] == 8 or r["sample/rounds"] == 10
+            assert r["groups/zero_var_share"] == (0 if r["sample/groups"] else 1) and r["sample/kept_share"] <= 1
+            assert r["sample/prompts"] == 8 * r["sample/rounds"] and 0 <= r["sample/accuracy"] <= 1
+            # the shaped reward is the verifier's score minus (L - 4) / 8: 3/8 for a 7-token answer
+            assert r["reward/mean"] <= r["reward/accuracy"] - 0.3
+        assert any(r["sample/rounds"] > 1 for r in train)  # some step needed a second round
     assert (out / "tb").is_dir() and any((out / "tb").iterdir())
 
     # After the last weight sync, vLLM's greedy output (written by the final evaluation)
