@@ -18,7 +18,8 @@ import train_grpo
 
 RUN = ["--steps", "5", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4", "--minibatches", "2",
        "--micro-batch-size", "4", "--eval-limit", "4", "--eval-interval", "100", "--lr", "1e-3",
-       "--lr-warmup-steps", "4"]  # the schedule's position must survive a resume too
+       "--lr-warmup-steps", "4",  # the schedule's position must survive a resume too
+       "--dynamic-sampling"]  # and the data order after a step's extra sampling rounds
 
 
 def train(out, *extra, env=None, port=29630, script="train_grpo.py"):
@@ -36,7 +37,9 @@ def reference(demo_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("crash") / "reference"
     res = train(out)
     assert res.returncode == 0, res.stderr[-3000:]
-    return metrics(out)
+    m = metrics(out)
+    assert any(m[step]["sample/rounds"] > 1 for step in m if step > 0)  # a resume then redoes those rounds
+    return m
 
 
 def assert_same_run(resumed: dict, reference: dict):
