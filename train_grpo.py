@@ -249,33 +249,33 @@ def aggregation_weights(
     """
     A = advantages.view(-1, group_size)
     L0 = lengths.view(-1, group_size).to(torch.float64)
-    L, kept = L0.clamp(min=1), L0 > 0  # clamp: only a masked response's own n_i, which gets no weight
+    L, kept = L0.clamp(min=1), L0 > 0  # clamp: only a masked response's own L, which gets no weight
     if agg == "seq":
-        n = L
+        w = 1.0 / (group_size * L)
     elif agg == "token":
-        n = (L0.sum(dim=1, keepdim=True) / group_size).expand_as(L)
+        w = (1.0 / L0.sum(dim=1, keepdim=True).clamp(min=1)).expand_as(L)
     elif agg == "balanced":
-        n = L.clone()
+        w = torch.zeros_like(L)
         for subset in (A > 0, A < 0, A == 0):
             members = subset & kept
-            mean = (L0 * members).sum(dim=1, keepdim=True) / members.sum(dim=1, keepdim=True).clamp(min=1)
-            n = torch.where(members, mean, n)
+            tokens = (L0 * members).sum(dim=1, keepdim=True).clamp(min=1)
+            w = torch.where(members, members.sum(dim=1, keepdim=True) / (group_size * tokens), w)
     elif agg == "balanced-batch":
-        n, stats = L.clone(), sign_lengths(advantages, lengths) if batch is None else batch
+        w, stats = torch.zeros_like(L), sign_lengths(advantages, lengths) if batch is None else batch
         for subset, (tokens, responses, _) in zip((A > 0, A < 0, A == 0), stats.tolist()):
-            n = torch.where(subset, max(tokens / max(responses, 1), 1.0), n)
+            w = torch.where(subset, 1.0 / (group_size * max(tokens / max(responses, 1), 1.0)), w)
     elif agg == "token-batch":
         stats = sign_lengths(advantages, lengths) if batch is None else batch
-        n = torch.full_like(L, stats[:, 0].sum().item() / max(stats[:, 2].sum().item(), 1))
+        w = torch.full_like(L, stats[:, 2].sum().item() / max(stats[:, 0].sum().item(), 1) / group_size)
     elif agg == "dr-grpo":
         if max_len is None:
             raise ValueError("dr-grpo needs max_len (--max-response-len)")
-        n = torch.full_like(L, float(max_len))
+        w = torch.full_like(L, 1.0 / (group_size * max_len))
     elif agg == "seq-sum":
-        n = torch.ones_like(L)
+        w = torch.full_like(L, 1.0 / group_size)
     else:
         raise ValueError(f"unknown aggregation {agg!r}")
-    w = torch.where(kept, 1.0 / (group_size * n.clamp(min=1e-9)), 0.0)  # the clamp: only unkept n_i are 0
+    w = torch.where(kept, w, 0.0)
     return (w / A.shape[0]).view(-1)  # mean over the groups of the mini-batch
 
 
