@@ -1,4 +1,5 @@
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -6,6 +7,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# This session's sandboxes run as uids of their own (rewards.SANDBOX_UIDS), so that a test that looks for
+# leftover sandbox processes sees only the ones this session started, not another session's on the machine.
+os.environ.setdefault("REWARDS_SANDBOX_UID_BASE", str(0x7F000000 + 65536 * secrets.randbelow(255)))
 sys.path.insert(0, str(ROOT))
 BENCHMARKS = ROOT / "data" / "benchmarks"  # the copies the project ships (sources and licences in its README)
 
