@@ -226,24 +226,6 @@ needs_isolation = pytest.mark.skipif(not FULL_ISOLATION, reason="no bubblewrap a
 ECHO_TEST = {"test": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "f"}
 
 
-def sandbox_processes() -> list[str]:
-    """Processes of this session's sandboxes (the uids conftest gave this session) still running."""
-    out = subprocess.run(["ps", "-eo", "uid=,args="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if int(line.split()[0]) in rewards.SANDBOX_UIDS]
-
-
-@pytest.fixture
-def clean_machine():
-    before = set(os.listdir("/tmp"))
-    pools = {p: set(os.listdir(p)) for p in Path("/tmp").glob("rewards-pool-*")}
-    yield
-    time.sleep(0.2)
-    assert not sandbox_processes()
-    assert not {f for f in set(os.listdir("/tmp")) - before if f.startswith("reward-")}
-    for pool_dir in Path("/tmp").glob("rewards-pool-*"):  # the batch workers' (weaker modes only)
-        assert not set(os.listdir(pool_dir)) - pools.get(pool_dir, set())
-
-
 def hostile(code: str, tests=None, timeout: float = 3.0) -> tuple[float, float]:
     t0 = time.time()
     score = code_reward(fenced(code), tests or {"stdio": [{"input": "", "output": "ok"}]}, timeout=timeout)
