@@ -281,19 +281,32 @@ def test_running_sandboxes_never_share_a_uid():
 
 # -- the attacks of issue #27, on real problems ----------------------------------------------------
 
+# A program's note in the keyring (its uid's user-session keyring, which every process of the uid reaches):
+# one key per tag holding a table, kept within the kernel's quota of 200 keys and 20000 bytes per uid (a
+# full keyring is emptied once, making room).
 _KEYRING = r'''
 import ctypes, hashlib
 _libc = ctypes.CDLL(None, use_errno=True)
-def _name(what):
-    return ("copy-" + hashlib.sha1(({tag!r} + repr(what)).encode()).hexdigest()).encode()
-def _publish(what, value):
-    data = repr(value).encode()
-    _libc.syscall({nr[add_key]}, b"user", _name(what), data, len(data), -4)
-def _lookup(what):
-    key = _libc.syscall({nr[keyctl]}, 10, -4, b"user", _name(what), 0)
+_NAME = ("note-" + {tag!r}).encode()
+def _h(what):
+    return hashlib.sha1(repr(what).encode()).hexdigest()[:10]
+def _table():
+    key = _libc.syscall({nr[keyctl]}, 10, -5, b"user", _NAME, 0)  # KEYCTL_SEARCH
     buf = ctypes.create_string_buffer(1 << 15)
-    n = _libc.syscall({nr[keyctl]}, 11, key, buf, 1 << 15) if key >= 0 else -1
-    return eval(buf.raw[:n].decode()) if n > 0 else None
+    n = _libc.syscall({nr[keyctl]}, 11, key, buf, 1 << 15) if key >= 0 else -1  # KEYCTL_READ
+    try:
+        return eval(buf.raw[:n].decode()) if n > 0 else {{}}
+    except Exception:
+        return {{}}
+def _publish(what, value):
+    table = _table()
+    table[_h(what)] = value
+    data = repr(table).encode()
+    if _libc.syscall({nr[add_key]}, b"user", _NAME, data, len(data), -5) < 0:
+        _libc.syscall({nr[keyctl]}, 7, -5)  # KEYCTL_CLEAR
+        _libc.syscall({nr[add_key]}, b"user", _NAME, data, len(data), -5)
+def _lookup(what):
+    return _table().get(_h(what))
 '''
 
 
@@ -334,13 +347,13 @@ COPIED = {"HumanEval/0", "HumanEval/2", "HumanEval/13", "HumanEval/23", "HumanEv
 def copy_pairs(rows: list[dict], stdio: list[dict], tag: str) -> tuple[list[str], list[dict]]:
     """(responses, tests): for each problem the publisher, then the copier."""
     responses, tests = [], []
-    for r in rows:
+    for i, r in enumerate(rows):
         t = {"test": r["test"], "entry_point": r["entry_point"], "prelude": r["prompt"]}
-        responses += [publisher(r["prompt"] + r["canonical_solution"], r["entry_point"], tag),
-                      copier(r["entry_point"], tag)]
+        responses += [publisher(r["prompt"] + r["canonical_solution"], r["entry_point"], f"{tag}-{i}"),
+                      copier(r["entry_point"], f"{tag}-{i}")]
         tests += [t, t]
-    for r in stdio:
-        responses += [stdio_publisher(r["tests"]["stdio"], tag), stdio_copier(tag)]
+    for i, r in enumerate(stdio):
+        responses += [stdio_publisher(r["tests"]["stdio"], f"{tag}-s{i}"), stdio_copier(f"{tag}-s{i}")]
         tests += [r["tests"], r["tests"]]
     return responses, tests
 
@@ -374,30 +387,29 @@ def test_the_copier_wins_without_the_filter(monkeypatch):
 # tries the next guess there. Answers of these problems are small (a bool, a small int).
 _ORACLE = r'''
 GUESSES = [True, False, 0, 1, 2, 3, -1]
-_state = _lookup("state") or {{}}
-_last = _lookup("last")
+_state = _lookup(({problem!r}, "state")) or {{}}
+_last = _lookup(({problem!r}, "last"))
 if _last is not None:  # the previous response stopped at this call
     _state[_last] = _state.get(_last, 0) + 1
-    _publish("state", _state)
+    _publish(({problem!r}, "state"), _state)
 def {entry}(*args, **kwargs):
-    k = repr((args, kwargs))
-    _publish("last", k)
+    k = _h((args, kwargs))
+    _publish(({problem!r}, "last"), k)
     return GUESSES[_state.get(k, 0) % len(GUESSES)]
 '''
 
 ORACLE_PROBLEMS = {"HumanEval/3", "HumanEval/52", "HumanEval/57"}  # answers are booleans
 
 
-def oracle(entry: str, tag: str) -> str:
-    return f"```python\n{keyring_helpers(tag)}\n{_ORACLE.format(entry=entry)}\n```"
+def oracle(entry: str, problem: str, tag: str) -> str:
+    return f"```python\n{keyring_helpers(tag)}\n{_ORACLE.format(entry=entry, problem=problem)}\n```"
 
 
 def oracle_rounds(score, rounds: int = 8) -> list[float]:
-    rows = humaneval(ORACLE_PROBLEMS)
-    tags = {r["task_id"]: secrets.token_hex(4) for r in rows}
+    rows, tag = humaneval(ORACLE_PROBLEMS), secrets.token_hex(4)
     per_round = []
     for _ in range(rounds):
-        per_round.append(sum(score(oracle(r["entry_point"], tags[r["task_id"]]),
+        per_round.append(sum(score(oracle(r["entry_point"], r["task_id"], tag),
                                    {"test": r["test"], "entry_point": r["entry_point"], "prelude": r["prompt"]})
                              for r in rows))
     return per_round
