@@ -4,7 +4,7 @@
         final answer = last \\boxed{...} (or \\fbox, or `\\boxed x`), else the last `Answer: ...`
         line (DAPO-17k); compared by exact string first, then by mathematical equivalence
         with math-verify (fractions/decimals, \\sqrt, intervals, tuples, sets, units, %, ...).
-    code_reward(response, tests) -> pass fraction
+    code_reward(response, tests) -> 1.0 | 0.0 (all tests pass; the pass fraction with partial=True)
         last fenced Python block, run against {"test", "entry_point"} (HumanEval/MBPP) or
         {"stdio": [{"input", "output"}, ...]} (LiveCodeBench/Codeforces) in a sandbox. Function
         tests: the solution runs alone in the sandbox behind a call server, the tests' check runs
@@ -57,6 +57,9 @@ from multiprocessing.connection import wait
 
 log = logging.getLogger("rewards")
 
+# Bumped whenever the same response could score differently: evaluate.py keys its caches by it, so that no
+# table mixes scores of two versions. 2: code counts only a full pass (issue #27).
+SCORING_VERSION = 2
 MATH_TIMEOUT_S = 5  # seconds (an int: math-verify hands it to signal.alarm)
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not worth symbolic verification
 CODE_TIMEOUT_S = 10.0  # wall clock per test program

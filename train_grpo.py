@@ -118,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--logprob-chunk", type=int, default=256, help="tokens per lm_head chunk in log-prob computation")
     a("--vllm-gpu-memory", type=float, default=0.5, help="CUDA only: vLLM's share of GPU memory")
     a("--reward-workers", type=int, default=4)
+    a("--code-reward", default="all-pass", choices=["all-pass", "fraction"],
+      help="code: 1 only when every test passes (default, as accuracy counts), or the fraction of stdio cases (README)")
     a("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     pre, _ = p.parse_known_args(argv)
     if pre.model in OFFLINE_DEFAULTS:
@@ -1210,7 +1212,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         rstats = {}
         scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
-                                 [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=rstats)
+                                 [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=rstats,
+                                 code_partial=args.code_reward == "fraction")
         timer["reward"] = time.time() - t0
 
         # 3. advantages within each group
