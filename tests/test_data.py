@@ -241,11 +241,9 @@ def test_tests_shown_in_the_prompt_are_marked():
     assert all(r.get("tests_in_prompt") for r in load_rows("mbpp", data_dir=str(BENCHMARKS)))
     assert all(r.get("tests_in_prompt") for r in load_rows("livecodebench", data_dir=str(BENCHMARKS)))
     assert not any(r.get("tests_in_prompt") for r in load_rows("humaneval", data_dir=str(BENCHMARKS)))
-    rows = load_rows("livecodebench", data_dir=str(BENCHMARKS))
-    tables = [lookup_table(r) for r in rows if "stdio" in r["tests"]]
-    shown = [r for r in rows if "stdio" in r["tests"]]
-    scores = compute_rewards(tables, [r["tests"] for r in shown], ["code"] * len(shown), 2)
-    assert sum(scores) >= 170  # a table of the prompt passes (nearly) all of them: an upper bound, marked
+    shown = [r for r in load_rows("livecodebench", data_dir=str(BENCHMARKS)) if "stdio" in r["tests"]][:30]
+    scores = compute_rewards([lookup_table(r) for r in shown], [r["tests"] for r in shown], ["code"] * 30, 2)
+    assert sum(scores) >= 29  # a table of the prompt passes (nearly) all of them (174 of 175): an upper bound
 
 
 class ChatTokenizer:
