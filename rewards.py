@@ -74,10 +74,13 @@ CODE_MAX_DISK_BYTES = 64 << 20  # the sandbox's writable directory, all files to
 # REWARDS_SANDBOX_UID_BASE where it is taken.
 _UID_BASE = int(os.environ.get("REWARDS_SANDBOX_UID_BASE", 0x7E000000))
 SANDBOX_UIDS = range(_UID_BASE, _UID_BASE + 65536)
-# System calls every sandbox is refused (EPERM): the kernel keyring is not namespaced and a key outlives
-# the sandbox that added it, so it would carry values from one response to another. Docker's and Podman's
-# default seccomp profiles refuse the same three.
-REFUSED_SYSCALLS = ("add_key", "keyctl", "request_key")
+# System calls every sandbox is refused (EPERM), as Docker's and Podman's default seccomp profiles refuse
+# them: the kernel keyring, which is not namespaced (a key outlives the sandbox that added it and would carry
+# values from one response to another); and namespaces of its own (unshare, setns, and clone with a
+# CLONE_NEW* flag, see _seccomp_program), the way to a user namespace where the program is root: a tmpfs it
+# mounts there is memory outside every limit, and user namespaces are much of the kernel's attack surface.
+REFUSED_SYSCALLS = ("add_key", "keyctl", "request_key", "unshare", "setns")
+_CLONE_NEW = (0x80, 0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
 
 # -----------------------------------------------------------------------------
 # Math
@@ -196,7 +199,8 @@ def sandbox_mode() -> str:
 
     Fails closed: raises SandboxUnavailable, with a one-line reason and the fix, rather than
     run model-written code with the trainer's reach. Under bubblewrap, one probe sandbox must
-    find the keyring refused and its directory writable before any response is scored.
+    find the keyring and new namespaces refused and its directory writable before any response
+    is scored.
     """
     global _sandbox_mode
     if _sandbox_mode is not None:
@@ -226,15 +230,16 @@ unpack()
 limit(*params["limits"])
 libc = ctypes.CDLL(None, use_errno=True)
 keyring = libc.syscall(params["add_key"], b"user", b"probe", b"x", 1, -4) != -1 or ctypes.get_errno() != errno.EPERM
+namespace = libc.unshare(0x10000000) != -1 or ctypes.get_errno() != errno.EPERM  # CLONE_NEWUSER
 with open("probe", "w") as f:
     f.write("x")
-print("keyring reachable" if keyring else "isolated", flush=True)
+print("keyring reachable" if keyring else "namespaces allowed" if namespace else "isolated", flush=True)
 """
 
 
 def _probe_bwrap() -> None:
     """One sandbox as responses get it: it must start (bubblewrap 0.8 or newer, for the size-limited
-    directory), find the keyring's system calls refused and its own directory writable."""
+    directory), find the keyring and new namespaces refused, and its own directory writable."""
     try:
         with _sandbox({}, _PROBE, 10, {"add_key": _syscall_number("add_key")}, talk=True, mode="bwrap") as proc:
             out, err = proc.communicate(timeout=10)
@@ -267,10 +272,12 @@ def _bwrap_prefix(seccomp_fd: int) -> list[str]:
     # The interpreter's installation goes to /py: its own parents (e.g. /root) may not be
     # traversable by the unprivileged user the program runs as.
     binds += ["--ro-bind", sys.base_prefix, "/py"]
+    # The sandbox's root and /dev are tmpfs too, writable by the program where it runs unprivileged
+    # (bubblewrap's user namespace makes it their owner): both read-only once set up.
     return ["bwrap", *binds, "--size", str(CODE_MAX_DISK_BYTES), "--perms", "1777", "--tmpfs", "/sandbox",
-            "--symlink", "/sandbox", "/tmp", "--chdir", "/sandbox", "--proc", "/proc", "--dev", "/dev",
-            "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
-            "--seccomp", str(seccomp_fd)]
+            "--symlink", "/sandbox", "/tmp", "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+            "--remount-ro", "/", "--chdir", "/sandbox", "--unshare-net", "--unshare-pid", "--unshare-ipc",
+            "--unshare-uts", "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd)]
 
 
 def _sandbox_python(mode: str) -> str:
@@ -334,7 +341,8 @@ def _libseccomp() -> ctypes.CDLL:
                                  "needs libseccomp (apt-get install libseccomp2)") from None
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
-    lib.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.c_void_p]
     lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
@@ -349,18 +357,30 @@ def _syscall_number(name: str) -> int:
     return nr
 
 
+class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
+
+
 @functools.cache
 def _seccomp_program(refused: tuple[str, ...]) -> bytes:
     """A seccomp filter, as `bwrap --seccomp` loads it (classic BPF), that fails the `refused` system
-    calls with EPERM and allows the rest; compiled by libseccomp for this machine's architecture, so a
-    system call through another ABI (32-bit, x32) kills the process instead of slipping past."""
+    calls and clone with any CLONE_NEW* flag with EPERM, answers clone3 with ENOSYS (its flags sit in
+    memory a filter cannot read; the C library then falls back to clone) and allows the rest; compiled
+    by libseccomp for this machine's architecture, so a system call through another ABI (32-bit, x32)
+    kills the process instead of slipping past. clone's flags are its first argument on x86-64, arm64
+    and ppc64le (not on s390x)."""
     lib = _libseccomp()
     ctx = lib.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW
     if not ctx:
         raise SandboxUnavailable("libseccomp cannot build a filter here")
+    eperm, enosys = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS  # SCMP_ACT_ERRNO(...)
+    rules = [(eperm, name, None) for name in refused] + [(enosys, "clone3", None)]
+    rules += [(eperm, "clone", _ArgCmp(0, 7, flag, flag)) for flag in _CLONE_NEW]  # SCMP_CMP_MASKED_EQ
     try:
-        for name in refused:
-            if lib.seccomp_rule_add(ctx, 0x00050000 | errno.EPERM, _syscall_number(name), 0) != 0:  # SCMP_ACT_ERRNO
+        for action, name, cmp in rules:
+            args = ctypes.byref(cmp) if cmp is not None else None
+            if lib.seccomp_rule_add_array(ctx, action, _syscall_number(name), int(cmp is not None), args) != 0:
                 raise SandboxUnavailable(f"libseccomp cannot refuse {name} here")
         fd = os.memfd_create("seccomp")
         try:
@@ -429,12 +449,24 @@ def limit(cpu, mem, procs, fsize, uid):
         resource.setrlimit(what, (n, n))
     if uid >= 0:
         os.setgroups([]); os.setgid(uid); os.setuid(uid)
+    if procs > 0:
         resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
 """
 
 
-def _limits(timeout: float, uid: int) -> list[int]:
-    return [math.ceil(timeout) + 1, CODE_MEMORY_BYTES, CODE_MAX_PROCS, CODE_MAX_FILE_BYTES, uid]
+def _limits(mode: str, timeout: float, uid: int) -> list[int]:
+    return [math.ceil(timeout) + 1, CODE_MEMORY_BYTES, CODE_MAX_PROCS if _nproc_per_sandbox(mode, uid) else 0,
+            CODE_MAX_FILE_BYTES, uid]
+
+
+def _nproc_per_sandbox(mode: str, uid: int) -> bool:
+    """Whether RLIMIT_NPROC would count this sandbox's processes only: under a uid of its own (root), or,
+    unprivileged, in bubblewrap's user namespace, which the kernel counts apart from 5.14 on (before,
+    the trainer user's own processes and threads would count against the sandbox's limit)."""
+    if uid >= 0:
+        return True
+    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    return mode == "bwrap" and release >= (5, 14)
 
 
 @contextlib.contextmanager
@@ -447,7 +479,7 @@ def _sandbox(files: dict[str, str], script: str, timeout: float, params: dict, t
     with _sandbox_uid(mode) as uid, _workdir(mode) as workdir:
         bundle = _fd_holding(marshal.dumps((files, data)))
         seccomp = _fd_holding(_seccomp_program(REFUSED_SYSCALLS), pipe=True) if mode == "bwrap" else None
-        params = {**params, "limits": _limits(timeout, uid), "bundle": bundle, "mode": mode}
+        params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode}
         python = [_sandbox_python(mode), "-I", "-c", f"params = {params!r}\n" + _LIMIT + script]
         if mode == "bwrap":
             cmd = _bwrap_prefix(seccomp) + python

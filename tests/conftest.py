@@ -75,7 +75,9 @@ def clean_machine():
     before = set(os.listdir("/tmp"))
     pools = {p: set(os.listdir(p)) for p in Path("/tmp").glob("rewards-pool-*")}
     yield
-    time.sleep(0.2)
+    deadline = time.time() + 5  # a killed worker's sandbox dies with it, but not in the same instant
+    while sandbox_processes() and time.time() < deadline:
+        time.sleep(0.1)
     assert not sandbox_processes()
     assert not {f for f in set(os.listdir("/tmp")) - before if f.startswith("reward-")}
     for pool_dir in Path("/tmp").glob("rewards-pool-*"):  # the batch workers' (weaker modes only)

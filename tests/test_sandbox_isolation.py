@@ -266,6 +266,52 @@ def test_the_start_up_probe_fails_closed_without_the_filter(monkeypatch):
         rewards.sandbox_mode()
 
 
+# A user namespace of its own, where the program is root: it mounts a tmpfs there and fills it (memory
+# outside every limit). After a fresh exec (the dropped uid makes the first image unable to write its maps).
+_OWN_NAMESPACE = r'''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid = os.getuid(), os.getgid()
+r = libc.unshare(0x10000000 | 0x20000)  # CLONE_NEWUSER | CLONE_NEWNS
+print("unshare", r, ctypes.get_errno(), flush=True)
+if r == 0:
+    open("/proc/self/setgroups", "w").write("deny")
+    open("/proc/self/uid_map", "w").write(f"0 {uid} 1")
+    open("/proc/self/gid_map", "w").write(f"0 {gid} 1")
+    os.makedirs("big", exist_ok=True)
+    libc.mount(b"none", b"big", b"tmpfs", 0, b"size=1g")
+    total = 0
+    try:
+        for i in range(16):
+            with open(f"big/f{i}", "wb") as f:
+                for _ in range(16):
+                    f.write(b"x" * (1 << 20))
+                    total += 1 << 20
+    except OSError:
+        pass
+    print("wrote", total, flush=True)
+'''
+OWN_NAMESPACE = (f"import os, sys\nopen('inner.py', 'w').write({_OWN_NAMESPACE!r})\n"
+                 "os.execv(sys.executable, [sys.executable, 'inner.py'])")
+
+
+def test_no_namespace_of_its_own(monkeypatch):
+    """unshare and clone with CLONE_NEW* flags are refused, while threads (clone3 answers ENOSYS, the C
+    library falls back to clone), fork and subprocesses work; without the filter's namespace rules the
+    program mounts a tmpfs of its own and writes four times its disk bound into memory."""
+    out = rewards.run_sandboxed(OWN_NAMESPACE, timeout=10)[1]
+    assert out.split() == ["unshare", "-1", "1"], out  # EPERM
+    clone = rewards._syscall_number("clone")
+    works = ("import ctypes, os, subprocess, sys, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             f"print(libc.syscall({clone}, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno())\n"
+             "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+             "print(subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True, text=True).stdout.strip())")
+    assert rewards.run_sandboxed(works, timeout=10)[1].split() == ["-1", "1", "thread", "5"]
+    monkeypatch.setattr(rewards, "REFUSED_SYSCALLS", ("add_key", "keyctl", "request_key"))
+    out = rewards.run_sandboxed(OWN_NAMESPACE, timeout=10)[1]
+    assert int(out.split("wrote")[1]) == 256 << 20 > 4 * rewards.CODE_MAX_DISK_BYTES - 1, out
+
+
 def test_running_sandboxes_never_share_a_uid():
     with rewards._sandbox_uid("bwrap") as a, rewards._sandbox_uid("bwrap") as b:
         assert a != b and {a, b} <= set(rewards.SANDBOX_UIDS)
