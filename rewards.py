@@ -476,9 +476,10 @@ def _sandbox(files: dict[str, str], script: str, timeout: float, params: dict, t
     directory and finds `data` (marshal-able) in unpack(); yields the process (its stdout a pipe, its
     stdin and stderr too if `talk`); everything it started is killed when the block ends."""
     mode = mode or sandbox_mode()
+    program = _seccomp_program(REFUSED_SYSCALLS) if mode == "bwrap" else None
     with _sandbox_uid(mode) as uid, _workdir(mode) as workdir:
         bundle = _fd_holding(marshal.dumps((files, data)))
-        seccomp = _fd_holding(_seccomp_program(REFUSED_SYSCALLS), pipe=True) if mode == "bwrap" else None
+        seccomp = _fd_holding(program, pipe=True) if program is not None else None
         params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode}
         python = [_sandbox_python(mode), "-I", "-c", f"params = {params!r}\n" + _LIMIT + script]
         if mode == "bwrap":
