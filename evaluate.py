@@ -6,7 +6,10 @@
 Acc@k is the mean accuracy of k samples per problem; Best@k the share of problems solved by
 at least one of k samples, by the unbiased pass@k estimator 1 - C(n-c, k) / C(n, k) from n
 samples with c correct (never a bootstrap). Both are reported for k = 1 and k = n; Acc@1 and
-Acc@n have the same expectation (the per-sample accuracy), Best@1 equals them.
+Acc@n have the same expectation (the per-sample accuracy), Best@1 equals them. A sample is
+correct when its score is 1: a code answer only when it passes every test, as LiveCodeBench
+counts. A benchmark whose tests are all shown in its prompts (MBPP's asserts, LiveCodeBench's
+examples without its hidden tests) is marked `*`: a lookup table of the prompt reaches its score.
 
 With --model, one checkpoint; with --run, the initial policy (step 0) and every checkpoint of
 each training run (already evaluated ones are skipped) and a table of each run's peak checkpoint
@@ -31,6 +34,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: one engine, not one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_grpo as T  # noqa: E402  (its environment preamble: engines in-process; and the sampling path)
 from data.prepare import is_hub_id  # noqa: E402
+from rewards import SCORING_VERSION  # noqa: E402
 
 PAPER_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
 
@@ -97,9 +101,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def benchmark_metrics(scores: list[list[float]], n: int) -> dict[str, float]:
-    """Acc@1, Acc@n, Best@1, Best@n over problems; `scores` holds n scores per problem."""
+    """Acc@1, Acc@n, Best@1, Best@n over problems; `scores` holds n scores per problem, a sample
+    counting as correct only with score 1 (every test passed)."""
     correct = [sum(s >= 1.0 for s in row) for row in scores]
-    acc = sum(sum(row) / n for row in scores) / len(scores)
+    acc = sum(c / n for c in correct) / len(scores)
     return {
         "problems": len(scores),
         "acc@1": acc,
@@ -134,6 +139,7 @@ def check_checkpoint(path: str) -> None:
 def settings_key(args) -> tuple[str, dict]:
     keys = ("template", "n", "temperature", "top_p", "max_tokens", "seed", "limit")
     settings = {k: getattr(args, k) for k in keys}
+    settings["scoring"] = SCORING_VERSION  # a cache of other scoring is not read: no table mixes two
     return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10], settings
 
 
@@ -239,6 +245,8 @@ def checkpoint_results(ckpt: str, benchmarks: dict[str, list[dict]], args) -> di
         if missing:
             raise RuntimeError(f"{ckpt}: {len(missing)} {name} problems have no samples (first: {missing[0]})")
         results[name] = benchmark_metrics([done[r["id"]] for r in rows], args.n)
+        if any(r.get("tests_in_prompt") for r in rows):
+            results[name]["tests_in_prompt"] = True
     names = list(results)
     n = args.n
     results["average"] = {m: sum(results[b][m] for b in names) / len(names)
@@ -248,13 +256,24 @@ def checkpoint_results(ckpt: str, benchmarks: dict[str, list[dict]], args) -> di
     return results
 
 
+TESTS_IN_PROMPT_NOTE = ("* every test is shown in the prompt (MBPP's asserts; LiveCodeBench's examples, its hidden "
+                        "tests absent): an upper bound on the official score that a lookup table of the prompt reaches")
+
+
+def marked(name: str, metrics: dict) -> str:
+    return name + "*" if metrics.get("tests_in_prompt") else name
+
+
 def format_table(results: dict, n: int) -> str:
     cols = ["acc@1", f"acc@{n}", "best@1", f"best@{n}"]
     lines = [f"| {'benchmark':<16} | {'problems':>8} | " + " | ".join(f"{c:>7}" for c in cols) + " |",
              "|" + "-" * 18 + "|" + "-" * 10 + "|" + "|".join("-" * 9 for _ in cols) + "|"]
     for name, m in results.items():
         probs = str(m.get("problems", "")) if name != "average" else ""
-        lines.append(f"| {name:<16} | {probs:>8} | " + " | ".join(f"{100 * m[c]:7.1f}" for c in cols) + " |")
+        lines.append(f"| {marked(name, m):<16} | {probs:>8} | " + " | ".join(f"{100 * m[c]:7.1f}" for c in cols)
+                     + " |")
+    if any(m.get("tests_in_prompt") for m in results.values()):
+        lines.append("\n" + TESTS_IN_PROMPT_NOTE)
     return "\n".join(lines)
 
 
@@ -328,7 +347,9 @@ def runs_table(per_run: dict[str, dict[int, dict]], groups: dict[str, list[str]]
     """Table 1's layout: per setting, the peak and the last checkpoint, mean ± std over its seeds
     (each seed's own peak); the initial policies first, as reference rows."""
     benches = [*names, "average"] if len(names) > 1 else names
-    head = "| run | point | step | " + " | ".join(f"{b} Acc@{n} / Best@{n}" for b in benches) + " |"
+    shown = {b: res[b] for r in per_run.values() for res in r.values() for b in names if res[b].get("tests_in_prompt")}
+    head = "| run | point | step | " + " | ".join(f"{marked(b, shown.get(b, {}))} Acc@{n} / Best@{n}"
+                                                   for b in benches) + " |"
     lines = [head, "|" + "---|" * (3 + len(benches))]
 
     def row(label: str, point: str, points: list[tuple[int, dict]]) -> str:
@@ -349,6 +370,8 @@ def runs_table(per_run: dict[str, dict[int, dict]], groups: dict[str, list[str]]
         pl = [peak_and_last(per_run[r], n) for r in runs]
         for point in ("peak", "last"):
             lines.append(row(label + seeds, point, [p[point] for p in pl]))
+    if shown:
+        lines.append("\n" + TESTS_IN_PROMPT_NOTE)
     return "\n".join(lines)
 
 

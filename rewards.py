@@ -4,7 +4,7 @@
         final answer = last \\boxed{...} (or \\fbox, or `\\boxed x`), else the last `Answer: ...`
         line (DAPO-17k); compared by exact string first, then by mathematical equivalence
         with math-verify (fractions/decimals, \\sqrt, intervals, tuples, sets, units, %, ...).
-    code_reward(response, tests) -> pass fraction
+    code_reward(response, tests) -> 1.0 | 0.0 (all tests pass; the pass fraction with partial=True)
         last fenced Python block, run against {"test", "entry_point"} (HumanEval/MBPP) or
         {"stdio": [{"input", "output"}, ...]} (LiveCodeBench/Codeforces) in a sandbox. Function
         tests: the solution runs alone in the sandbox behind a call server, the tests' check runs
@@ -32,6 +32,8 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import ctypes
+import errno
 import functools
 import inspect
 import json
@@ -40,18 +42,24 @@ import marshal
 import math
 import os
 import re
+import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import wait
 
 log = logging.getLogger("rewards")
 
+# Bumped whenever the same response could score differently: evaluate.py keys its caches by it, so that no
+# table mixes scores of two versions. 2: code counts only a full pass (issue #27).
+SCORING_VERSION = 2
 MATH_TIMEOUT_S = 5  # seconds (an int: math-verify hands it to signal.alarm)
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not worth symbolic verification
 CODE_TIMEOUT_S = 10.0  # wall clock per test program
@@ -59,7 +67,20 @@ CODE_MEMORY_BYTES = 2 << 30
 CODE_MAX_PROCS = 64
 CODE_MAX_FILE_BYTES = 16 << 20
 CODE_MAX_OUTPUT_BYTES = 4 << 20  # stdout read back from a program; past it the program is killed
-SANDBOX_UID = 65534  # nobody
+CODE_MAX_DISK_BYTES = 64 << 20  # the sandbox's writable directory, all files together (a tmpfs of its own)
+# As root, each sandbox runs its code as a uid no other running sandbox on the machine has, so that what
+# the kernel counts per uid (RLIMIT_NPROC's processes, pipe and inotify quotas) is counted per sandbox.
+# The range lies above sssd's default id mapping (200000-2000200000) and below 2**31; move it with
+# REWARDS_SANDBOX_UID_BASE where it is taken.
+_UID_BASE = int(os.environ.get("REWARDS_SANDBOX_UID_BASE", 0x7E000000))
+SANDBOX_UIDS = range(_UID_BASE, _UID_BASE + 65536)
+# System calls every sandbox is refused (EPERM), as Docker's and Podman's default seccomp profiles refuse
+# them: the kernel keyring, which is not namespaced (a key outlives the sandbox that added it and would carry
+# values from one response to another); and namespaces of its own (unshare, setns, and clone with a
+# CLONE_NEW* flag, see _seccomp_program), the way to a user namespace where the program is root: a tmpfs it
+# mounts there is memory outside every limit, and user namespaces are much of the kernel's attack surface.
+REFUSED_SYSCALLS = ("add_key", "keyctl", "request_key", "unshare", "setns")
+_CLONE_NEW = (0x80, 0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
 
 # -----------------------------------------------------------------------------
 # Math
@@ -164,7 +185,7 @@ def extract_code(response: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-_TMP_ROOT: str | None = None  # a worker's private directory for sandboxes (see _spawn)
+_TMP_ROOT: str | None = None  # a worker's directory for the weaker modes' sandboxes (see _spawn)
 SANDBOX_MODES = ("bwrap", "unshare", "rlimits")  # strongest first; the weaker two only on request
 _sandbox_mode: str | None = None
 
@@ -177,7 +198,9 @@ def sandbox_mode() -> str:
     """The isolation for untrusted code: bubblewrap, or a weaker mode chosen by REWARDS_SANDBOX.
 
     Fails closed: raises SandboxUnavailable, with a one-line reason and the fix, rather than
-    run model-written code with the trainer's reach.
+    run model-written code with the trainer's reach. Under bubblewrap, one probe sandbox must
+    find the keyring and new namespaces refused and its directory writable before any response
+    is scored.
     """
     global _sandbox_mode
     if _sandbox_mode is not None:
@@ -190,17 +213,44 @@ def sandbox_mode() -> str:
             "code rewards run model-written code and need bubblewrap to isolate it: install it "
             "(apt-get install bubblewrap), or set REWARDS_SANDBOX=unshare or rlimits to accept weaker "
             "isolation (README: Rewards)")
-    if mode == "bwrap" and not _runs(_bwrap_prefix("/tmp") + [_sandbox_python("bwrap"), "-c", "pass"]):
-        raise SandboxUnavailable(
-            "bubblewrap is installed but cannot start a sandbox here (are unprivileged user namespaces "
-            "disabled?); fix that, or set REWARDS_SANDBOX=unshare or rlimits to accept weaker isolation")
+    if mode == "bwrap":
+        _probe_bwrap()
     if mode == "unshare" and not (shutil.which("unshare") and _runs(_unshare_prefix() + [sys.executable, "-c", ""])):
         raise SandboxUnavailable("REWARDS_SANDBOX=unshare: `unshare --net --pid` does not work on this machine")
     if mode != "bwrap":
-        log.warning("REWARDS_SANDBOX=%s: untrusted code runs without filesystem isolation%s", mode,
-                    "" if mode == "unshare" else ", network or PID namespace")
+        log.warning("REWARDS_SANDBOX=%s: untrusted code runs without filesystem isolation%s, and sandboxes share "
+                    "the kernel keyring", mode, "" if mode == "unshare" else ", network or PID namespace")
     _sandbox_mode = mode
     return mode
+
+
+_PROBE = """
+import ctypes, errno
+unpack()
+limit(*params["limits"])
+libc = ctypes.CDLL(None, use_errno=True)
+keyring = libc.syscall(params["add_key"], b"user", b"probe", b"x", 1, -4) != -1 or ctypes.get_errno() != errno.EPERM
+namespace = libc.unshare(0x10000000) != -1 or ctypes.get_errno() != errno.EPERM  # CLONE_NEWUSER
+with open("probe", "w") as f:
+    f.write("x")
+print("keyring reachable" if keyring else "namespaces allowed" if namespace else "isolated", flush=True)
+"""
+
+
+def _probe_bwrap() -> None:
+    """One sandbox as responses get it: it must start (bubblewrap 0.8 or newer, for the size-limited
+    directory), find the keyring and new namespaces refused, and its own directory writable."""
+    try:
+        with _sandbox({}, _PROBE, 10, {"add_key": _syscall_number("add_key")}, talk=True, mode="bwrap") as proc:
+            out, err = proc.communicate(timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        out, err = b"", str(e).encode()
+    if out.strip() != b"isolated":
+        why = next((line for line in err.decode(errors="replace").splitlines() if line.strip()), out.decode().strip())
+        raise SandboxUnavailable(
+            f"bubblewrap cannot start an isolated sandbox here ({why or 'no reply'}): it needs bubblewrap 0.8 or "
+            "newer, unprivileged user namespaces if not run as root, and libseccomp; fix that, or set "
+            "REWARDS_SANDBOX=unshare or rlimits to accept weaker isolation")
 
 
 def _runs(cmd: list[str]) -> bool:
@@ -210,9 +260,11 @@ def _runs(cmd: list[str]) -> bool:
         return False
 
 
-def _bwrap_prefix(workdir: str) -> list[str]:
-    # Only the system's and the interpreter's directories are visible, read-only; the
-    # project, checkpoints and home directories are not there at all.
+def _bwrap_prefix(seccomp_fd: int) -> list[str]:
+    # Only the system's and the interpreter's directories are visible, read-only; the project,
+    # checkpoints and home directories are not there at all. The one writable place is a tmpfs of
+    # CODE_MAX_DISK_BYTES, the sandbox's own (/tmp points into it): nothing on the host's disk, nothing
+    # another sandbox sees, gone with the sandbox.
     binds = []
     for d in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc"):
         if os.path.exists(d):
@@ -220,9 +272,12 @@ def _bwrap_prefix(workdir: str) -> list[str]:
     # The interpreter's installation goes to /py: its own parents (e.g. /root) may not be
     # traversable by the unprivileged user the program runs as.
     binds += ["--ro-bind", sys.base_prefix, "/py"]
-    return ["bwrap", *binds, "--tmpfs", "/tmp", "--bind", workdir, "/sandbox", "--chdir", "/sandbox",
-            "--proc", "/proc", "--dev", "/dev", "--unshare-net", "--unshare-pid", "--unshare-ipc",
-            "--unshare-uts", "--die-with-parent", "--new-session"]
+    # The sandbox's root and /dev are tmpfs too, writable by the program where it runs unprivileged
+    # (bubblewrap's user namespace makes it their owner): both read-only once set up.
+    return ["bwrap", *binds, "--size", str(CODE_MAX_DISK_BYTES), "--perms", "1777", "--tmpfs", "/sandbox",
+            "--symlink", "/sandbox", "/tmp", "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+            "--remount-ro", "/", "--chdir", "/sandbox", "--unshare-net", "--unshare-pid", "--unshare-ipc",
+            "--unshare-uts", "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd)]
 
 
 def _sandbox_python(mode: str) -> str:
@@ -232,72 +287,221 @@ def _sandbox_python(mode: str) -> str:
     return exe
 
 
-def _sandbox_uid(mode: str) -> int:
-    """The uid to run untrusted code as: nobody, unless it could not read the interpreter."""
-    if os.geteuid() != 0:
-        return -1  # not root: already unprivileged
-    if mode == "bwrap":
-        return SANDBOX_UID
+@functools.cache
+def _python_readable_by_others() -> bool:
+    """Whether a uid other than ours can run the interpreter (every parent world-traversable)."""
     path = sys.base_prefix
-    while path != os.path.dirname(path):  # every parent must be world-traversable
+    while path != os.path.dirname(path):
         if not os.stat(path).st_mode & 0o001:
-            log.warning("%s is not readable by uid %d: untrusted code runs as root", path, SANDBOX_UID)
-            return -1
+            log.warning("%s is not readable by other users: untrusted code runs as root", path)
+            return False
         path = os.path.dirname(path)
-    return SANDBOX_UID
+    return True
+
+
+@contextlib.contextmanager
+def _sandbox_uid(mode: str) -> Iterator[int]:
+    """The uid one sandbox runs its untrusted code as: as root, one of SANDBOX_UIDS that no other
+    running sandbox on this machine holds; -1 when the scorer is unprivileged (its own uid), or when
+    a weaker mode's interpreter is unreadable by other users (root).
+
+    Held by binding an abstract socket named after the uid, which the kernel frees when the sandbox is
+    over or this process dies, however it dies. The search starts at a random place: a uid just
+    given back (its processes may take a moment to go) is rarely the next one taken.
+    """
+    if os.geteuid() != 0 or (mode != "bwrap" and not _python_readable_by_others()):
+        yield -1
+        return
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        start = secrets.randbelow(len(SANDBOX_UIDS))
+        for k in range(len(SANDBOX_UIDS)):
+            uid = SANDBOX_UIDS[(start + k) % len(SANDBOX_UIDS)]
+            try:
+                claim.bind(f"\0balanced-grpo-sandbox-uid-{uid}")
+            except OSError:  # another sandbox holds it
+                continue
+            yield uid
+            return
+        raise SandboxUnavailable(f"all {len(SANDBOX_UIDS)} sandbox uids are in use on this machine")
+    finally:
+        claim.close()
 
 
 def _unshare_prefix() -> list[str]:
     return ["unshare", "--net", "--pid", "--fork", "--kill-child"]
 
 
-# Every program started in the sandbox begins with `params` (limits, counts, names: nothing a
-# program could use) and `limit`: resource limits, then drop root. No json in there: its import
-# (with `re`) would be a third of a sandbox's start-up.
+@functools.cache
+def _libseccomp() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        raise SandboxUnavailable("code rewards refuse the kernel keyring to sandboxes with a seccomp filter, which "
+                                 "needs libseccomp (apt-get install libseccomp2)") from None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.c_void_p]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    return lib
+
+
+def _syscall_number(name: str) -> int:
+    """The number of a system call on this machine's architecture (libseccomp's table)."""
+    nr = _libseccomp().seccomp_syscall_resolve_name(name.encode())
+    if nr < 0:
+        raise SandboxUnavailable(f"libseccomp does not know the system call {name}")
+    return nr
+
+
+class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
+
+
+@functools.cache
+def _seccomp_program(refused: tuple[str, ...]) -> bytes:
+    """A seccomp filter, as `bwrap --seccomp` loads it (classic BPF), that fails the `refused` system
+    calls and clone with any CLONE_NEW* flag with EPERM, answers clone3 with ENOSYS (its flags sit in
+    memory a filter cannot read; the C library then falls back to clone) and allows the rest; compiled
+    by libseccomp for this machine's architecture, so a system call through another ABI (32-bit, x32)
+    kills the process instead of slipping past. clone's flags are its first argument on x86-64, arm64
+    and ppc64le (not on s390x)."""
+    lib = _libseccomp()
+    ctx = lib.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW
+    if not ctx:
+        raise SandboxUnavailable("libseccomp cannot build a filter here")
+    eperm, enosys = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS  # SCMP_ACT_ERRNO(...)
+    rules = [(eperm, name, None) for name in refused] + [(enosys, "clone3", None)]
+    rules += [(eperm, "clone", _ArgCmp(0, 7, flag, flag)) for flag in _CLONE_NEW]  # SCMP_CMP_MASKED_EQ
+    try:
+        for action, name, cmp in rules:
+            args = ctypes.byref(cmp) if cmp is not None else None
+            if lib.seccomp_rule_add_array(ctx, action, _syscall_number(name), int(cmp is not None), args) != 0:
+                raise SandboxUnavailable(f"libseccomp cannot refuse {name} here")
+        fd = os.memfd_create("seccomp")
+        try:
+            if lib.seccomp_export_bpf(ctx, fd) != 0:
+                raise SandboxUnavailable("libseccomp cannot export its filter")
+            os.lseek(fd, 0, os.SEEK_SET)
+            with open(fd, "rb", closefd=False) as f:
+                return f.read()
+        finally:
+            os.close(fd)
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def _fd_holding(data: bytes, pipe: bool = False) -> int:
+    """A file descriptor to hand to a sandbox, positioned at the start of `data`: a pipe's reading end
+    (small data, which bwrap reads to its end), else an anonymous file (memfd: no path, no disk)."""
+    if pipe:
+        r, w = os.pipe()
+        try:
+            os.write(w, data)  # less than a pipe's buffer
+        finally:
+            os.close(w)
+        return r
+    fd = os.memfd_create("reward-bundle")
+    with open(fd, "wb", closefd=False) as f:
+        f.write(data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+@contextlib.contextmanager
+def _workdir(mode: str) -> Iterator[str]:
+    """Where the sandbox starts. Under bubblewrap a tmpfs inside it: nothing is made here. The weaker
+    modes run in a fresh directory of the host's, removed afterwards (the worker's whole directory,
+    by its parent, if the worker is killed)."""
+    if mode == "bwrap":
+        yield "/"
+        return
+    if _TMP_ROOT is not None:
+        os.makedirs(_TMP_ROOT, mode=0o700, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="reward-", dir=_TMP_ROOT)
+    try:
+        os.chmod(workdir, 0o777)  # the program runs as another user
+        yield workdir
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# Every program started in the sandbox begins with `params` (limits, counts, names, file descriptors:
+# nothing a program could use), `unpack`, which writes the files it was handed (as the sandbox's root,
+# so that the program cannot change them) and returns its data, and `limit`: resource limits, then the
+# sandbox's own uid. No json in there: its import (with `re`) would be a third of a sandbox's start-up.
 _LIMIT = """
-import os, resource, sys
+import marshal, os, resource, sys
+def unpack():
+    with open(params["bundle"], "rb") as f:
+        files, data = marshal.loads(f.read())
+    for name, text in files.items():
+        with open(name, "w", encoding="utf-8") as f:
+            f.write(text)
+    return data
 def limit(cpu, mem, procs, fsize, uid):
     for what, n in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
                     (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(what, (n, n))
     if uid >= 0:
         os.setgroups([]); os.setgid(uid); os.setuid(uid)
+    if procs > 0:
         resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
 """
 
 
-def _limits(mode: str, timeout: float) -> list[int]:
-    return [math.ceil(timeout) + 1, CODE_MEMORY_BYTES, CODE_MAX_PROCS, CODE_MAX_FILE_BYTES, _sandbox_uid(mode)]
+def _limits(mode: str, timeout: float, uid: int) -> list[int]:
+    return [math.ceil(timeout) + 1, CODE_MEMORY_BYTES, CODE_MAX_PROCS if _nproc_per_sandbox(mode, uid) else 0,
+            CODE_MAX_FILE_BYTES, uid]
+
+
+def _nproc_per_sandbox(mode: str, uid: int) -> bool:
+    """Whether RLIMIT_NPROC would count this sandbox's processes only: under a uid of its own (root), or,
+    unprivileged, in bubblewrap's user namespace, which the kernel counts apart from 5.14 on (before,
+    the trainer user's own processes and threads would count against the sandbox's limit)."""
+    if uid >= 0:
+        return True
+    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    return mode == "bwrap" and release >= (5, 14)
 
 
 @contextlib.contextmanager
-def _sandbox(files: dict[str, str], script: str, params: dict, talk: bool = False):
-    """One sandbox start: `script` run by the sandbox's Python in a fresh directory holding `files`;
-    yields the process (its stdout a pipe, its stdin and stderr too if `talk`); killed and removed after."""
-    mode = sandbox_mode()
-    workdir = tempfile.mkdtemp(prefix="reward-", dir=_TMP_ROOT)
-    proc = None
-    try:
-        os.chmod(workdir, 0o777)  # the program runs as nobody
-        for name, text in files.items():
-            with open(os.path.join(workdir, name), "w") as f:
-                f.write(text)
-        python = [_sandbox_python(mode), "-I", "-c", f"params = {dict(params, mode=mode)!r}\n" + _LIMIT + script]
+def _sandbox(files: dict[str, str], script: str, timeout: float, params: dict, talk: bool = False,
+             data: object = None, mode: str | None = None):
+    """One sandbox start: `script` run by the sandbox's Python, which first writes `files` into its
+    directory and finds `data` (marshal-able) in unpack(); yields the process (its stdout a pipe, its
+    stdin and stderr too if `talk`); everything it started is killed when the block ends."""
+    mode = mode or sandbox_mode()
+    program = _seccomp_program(REFUSED_SYSCALLS) if mode == "bwrap" else None
+    with _sandbox_uid(mode) as uid, _workdir(mode) as workdir:
+        bundle = _fd_holding(marshal.dumps((files, data)))
+        seccomp = _fd_holding(program, pipe=True) if program is not None else None
+        params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode}
+        python = [_sandbox_python(mode), "-I", "-c", f"params = {params!r}\n" + _LIMIT + script]
         if mode == "bwrap":
-            cmd = _bwrap_prefix(workdir) + python
+            cmd = _bwrap_prefix(seccomp) + python
         elif mode == "unshare":
             cmd = _unshare_prefix() + python
         else:
             cmd = python
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         pipe_if_talk = subprocess.PIPE if talk else subprocess.DEVNULL
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=pipe_if_talk, stdout=subprocess.PIPE,
-                                stderr=pipe_if_talk, start_new_session=True)
-        yield proc
-    finally:
-        if proc is not None:
+        try:
+            proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=pipe_if_talk, stdout=subprocess.PIPE,
+                                    stderr=pipe_if_talk, start_new_session=True,
+                                    pass_fds=[fd for fd in (bundle, seccomp) if fd is not None])
+        finally:  # the sandbox holds its own copies
+            for fd in (bundle, seccomp):
+                if fd is not None:
+                    os.close(fd)
+        try:
+            yield proc
+        finally:
             _kill_group(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -390,18 +594,23 @@ class _Link:
 # --- stdin/stdout tests: every case of a response in one sandbox start ---------------------------
 #
 # A runner in the sandbox forks each case from its own already-started interpreter (no Python
-# start-up per case), as its own process: own session, limits, user `nobody`, the case's input
-# file as stdin (each input is opened and unlinked before any case runs, so no case can read
-# another's), its stdout read up to CODE_MAX_OUTPUT_BYTES and its wall time bounded; afterwards
-# everything it left running is killed. The expected outputs never enter the sandbox: the runner
-# sends each case's exit code and output back and the comparison happens here.
+# start-up per case), as its own process: own session, limits, the sandbox's uid, the case's input
+# as stdin (an anonymous file, memfd, that only this case is handed: no case can read another's),
+# its stdout read up to CODE_MAX_OUTPUT_BYTES and its wall time bounded; afterwards everything it
+# left running is killed. The expected outputs never enter the sandbox: the runner sends each
+# case's exit code and output back and the comparison happens here.
 _CASE_RUNNER = r"""
 import atexit, select, signal, time, types
 channel = os.dup(1)
-inputs = []
-for i in range(params["cases"]):
-    inputs.append(os.open(f"{i}.in", os.O_RDONLY))
-    os.unlink(f"{i}.in")
+
+def as_file(text):
+    fd = os.memfd_create("input", 0)
+    with open(fd, "w", encoding="utf-8", closefd=False) as f:
+        f.write(text)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+inputs = [as_file(text) for text in unpack()]
 null = os.open(os.devnull, os.O_RDWR)
 os.dup2(null, 0)
 os.dup2(null, 1)
@@ -509,11 +718,9 @@ for fd_in in inputs:
 def run_cases(program: str, inputs: list[str], timeout: float = CODE_TIMEOUT_S) -> Iterator[tuple[int, str, bool]]:
     """Run a Python program once per input, all in one sandbox start; yields (exit code, stdout,
     timed out) per input, in order. A run past its limits yields (-9, "", timed out)."""
-    params = {"limits": _limits(sandbox_mode(), timeout), "cases": len(inputs), "timeout": timeout,
-              "cap": CODE_MAX_OUTPUT_BYTES}
-    files = {"main.py": program, **{f"{i}.in": text for i, text in enumerate(inputs)}}
     done = 0
-    with _sandbox(files, _CASE_RUNNER, params) as proc:
+    params = {"timeout": timeout, "cap": CODE_MAX_OUTPUT_BYTES}
+    with _sandbox({"main.py": program}, _CASE_RUNNER, timeout, params, data=list(inputs)) as proc:
         link = _Link(proc, time.monotonic() + 5 + len(inputs) * (timeout + 1),
                      len(inputs) * (CODE_MAX_OUTPUT_BYTES + 64))
         try:
@@ -610,7 +817,7 @@ def decode_plain(x: object, depth: int = 0) -> object:
 
 # The call server: limits and the privilege drop first, then the solution, then one reply per call.
 _CALL_SERVER = r"""
-import marshal
+unpack()
 channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.dup(1)
 null = os.open(os.devnull, os.O_RDWR)
 os.dup2(null, 0)  # the solution's reads and prints must not touch the channel: its stdout goes to
@@ -737,8 +944,8 @@ def check_function(code: str, tests: dict, timeout: float = CODE_TIMEOUT_S) -> b
     """Whether the solution `code` passes `tests` ({"test", "entry_point"[, "prelude"]}): the test's
     check(candidate) runs here against a stub of the entry point; the solution runs in the sandbox."""
     prelude, entry = tests.get("prelude", ""), tests["entry_point"]
-    params = {"limits": _limits(sandbox_mode(), timeout), "entry_point": entry}
-    with _sandbox({"main.py": code, "prelude.py": prelude}, _server_script(), params, talk=True) as proc:
+    with _sandbox({"main.py": code, "prelude.py": prelude}, _server_script(), timeout, {"entry_point": entry},
+                  talk=True) as proc:
         calls = _Calls(_Link(proc, time.monotonic() + timeout, CODE_MAX_OUTPUT_BYTES))
         try:
             if calls.link.line() != b'["ready",null]':
@@ -755,8 +962,11 @@ def check_function(code: str, tests: dict, timeout: float = CODE_TIMEOUT_S) -> b
         return not calls.broken
 
 
-def code_reward(response: str, tests: dict | str, binary: bool = False, timeout: float = CODE_TIMEOUT_S) -> float:
-    """Fraction of tests passed (or 1/0 with binary=True). Never raises."""
+def score_code(response: str, tests: dict | str, partial: bool = False, timeout: float = CODE_TIMEOUT_S) -> float:
+    """1.0 if the response's program passes every test, else 0.0; with partial=True, the fraction of
+    stdio cases passed (a function test's check is one verdict). In this process, with no deadline
+    past the sandbox's own: what a scoring worker runs (use code_reward or compute_rewards). Never
+    raises, but SandboxUnavailable."""
     try:
         if isinstance(tests, str):
             tests = json.loads(tests)
@@ -771,22 +981,28 @@ def code_reward(response: str, tests: dict | str, binary: bool = False, timeout:
             score = passed / len(cases) if cases else 0.0
         else:
             score = float(check_function(code, tests, timeout))
-        return float(score == 1.0) if binary else float(score)
+        return float(score) if partial else float(score == 1.0)
     except SandboxUnavailable:
         raise  # a machine without the sandbox must not silently score every program 0
     except Exception:
         return 0.0
 
 
+def code_reward(response: str, tests: dict | str, partial: bool = False, timeout: float = CODE_TIMEOUT_S) -> float:
+    """score_code in a scoring worker, under compute_rewards' hard deadline: 1.0 if every test
+    passes (the fraction of stdio cases with partial=True), 0.0 past the deadline."""
+    return compute_rewards([response], [tests], ["code"], 1, code_partial=partial, code_timeout=timeout)[0]
+
+
 # -----------------------------------------------------------------------------
 # Batch scoring in persistent worker processes with a hard per-item timeout
 
 
-def score_one(response: str, reference, kind: str) -> float:
+def score_one(response: str, reference, kind: str, partial: bool = False, timeout: float = CODE_TIMEOUT_S) -> float:
     if kind == "math":
         return math_reward(response, str(reference))
     if kind == "code":
-        return code_reward(response, reference)
+        return score_code(response, reference, partial, timeout)
     raise ValueError(f"unknown reward kind {kind!r} (expected 'math' or 'code')")
 
 
@@ -800,7 +1016,8 @@ def _worker_main(tmp_root: str) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            score, err = score_one(job["response"], job["reference"], job["kind"]), None
+            score = score_one(job["response"], job["reference"], job["kind"], job["partial"], job["timeout"])
+            err = None
         except Exception as e:  # noqa: BLE001 - reported as an error count, scored 0
             score, err = 0.0, repr(e)[:200]
         out.write(json.dumps({"i": job["i"], "score": score, "error": err}) + "\n")
@@ -808,13 +1025,15 @@ def _worker_main(tmp_root: str) -> None:
 
 
 # Workers are plain subprocesses (`python rewards.py --worker DIR`), so they import neither the
-# caller's main module nor torch. Each keeps its sandboxes in a directory of its own, which
-# the parent removes if it has to kill the worker mid-item.
+# caller's main module nor torch. Under the weaker sandbox modes each keeps its sandboxes' host
+# directories in DIR (made on first use), which the parent removes if it has to kill the worker;
+# under bubblewrap nothing is written on the host.
 _workers: list[tuple[subprocess.Popen, str]] = []
+_pool_lock = threading.Lock()  # one batch at a time goes through the workers (threads of a caller queue)
 
 
 def _spawn() -> tuple[subprocess.Popen, str]:
-    tmp_root = tempfile.mkdtemp(prefix="rewards-pool-")
+    tmp_root = os.path.join(tempfile.gettempdir(), f"rewards-pool-{secrets.token_hex(8)}")
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", tmp_root],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
     return proc, tmp_root
@@ -849,12 +1068,15 @@ def reference(row: dict):
 
 def compute_rewards(
     responses: list[str], references: list, kinds: list[str], num_workers: int = 4,
-    stats: dict | None = None, timeout: float | None = None,
+    stats: dict | None = None, timeout: float | None = None, code_partial: bool = False,
+    code_timeout: float = CODE_TIMEOUT_S,
 ) -> list[float]:
     """Score a batch in parallel; order kept; `stats` (if given) receives timeouts and errors.
 
-    A response that runs past its limit (MATH_TIMEOUT_S, or the code limit times its number
-    of tests) scores 0: its worker is killed and replaced, the rest of the batch goes on.
+    Code scores 1 only when every test passes (code_partial: the fraction of stdio cases passed);
+    code_timeout is each test's own limit in the sandbox. A response that runs past its hard limit
+    (`timeout`, else MATH_TIMEOUT_S, or code_timeout times its number of tests) scores 0: its worker
+    is killed and replaced, the rest of the batch goes on.
     """
     if not (len(responses) == len(references) == len(kinds)):
         raise ValueError("compute_rewards: responses, references and kinds differ in length")
@@ -880,28 +1102,40 @@ def compute_rewards(
             todo.append(i)
         else:
             scores[i] = quick
-    while len(_workers) < min(max(1, num_workers), len(todo)):
-        _workers.append(_spawn())
-    n_slots = min(max(1, num_workers), len(todo), len(_workers))
-    busy: dict[int, tuple[int, float]] = {}  # worker slot -> (item, deadline)
+
+    def job(i: int) -> str:
+        return json.dumps({"i": i, "response": responses[i], "reference": references[i], "kind": kinds[i],
+                           "partial": code_partial, "timeout": code_timeout})
 
     def limit(i: int) -> float:
         if timeout is not None:
             return timeout
         if kinds[i] == "code":
             ref = references[i] if isinstance(references[i], dict) else json.loads(references[i])
-            return (CODE_TIMEOUT_S + 2) * max(1, len(ref.get("stdio", [0]))) + 5
+            return (code_timeout + 2) * max(1, len(ref.get("stdio", [0]))) + 5
         return MATH_TIMEOUT_S * 2 + 1  # parse and verify each have MATH_TIMEOUT_S inside
 
+    with _pool_lock:
+        _run_in_workers(todo, job, limit, scores, counts, num_workers)
+    if stats is not None:
+        stats.update(counts)
+    return scores
+
+
+def _run_in_workers(todo: list[int], job, limit, scores: list[float], counts: dict, num_workers: int) -> None:
+    """Items `todo` (popped from the end) through the worker pool, each within its hard limit."""
+    while len(_workers) < min(max(1, num_workers), len(todo)):
+        _workers.append(_spawn())
+    n_slots = min(max(1, num_workers), len(todo), len(_workers))
+    busy: dict[int, tuple[int, float]] = {}  # worker slot -> (item, deadline)
     while todo or busy:
         for slot in range(n_slots):
             if slot not in busy and todo:
                 i = todo.pop()
-                job = json.dumps({"i": i, "response": responses[i], "reference": references[i], "kind": kinds[i]})
                 try:
-                    _workers[slot][0].stdin.write(job + "\n")
+                    _workers[slot][0].stdin.write(job(i) + "\n")
                 except (BrokenPipeError, OSError):  # a dead worker: replace it and retry
-                    _replace(slot)[0].stdin.write(job + "\n")
+                    _replace(slot)[0].stdin.write(job(i) + "\n")
                 busy[slot] = (i, time.monotonic() + limit(i))
         pipes = {_workers[s][0].stdout: s for s in busy}
         next_deadline = min(d for _, d in busy.values())
@@ -924,9 +1158,6 @@ def compute_rewards(
                 scores[i] = 0.0
                 counts["timeouts"] += 1
                 del busy[slot]
-    if stats is not None:
-        stats.update(counts)
-    return scores
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

@@ -138,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--logprob-chunk", type=int, default=256, help="tokens per lm_head chunk in log-prob computation")
     a("--vllm-gpu-memory", type=float, default=0.5, help="CUDA only: vLLM's share of GPU memory")
     a("--reward-workers", type=int, default=4)
+    a("--code-reward", default="all-pass", choices=["all-pass", "fraction"],
+      help="code: 1 only when every test passes (default, as accuracy counts), or the fraction of stdio cases (README)")
     a("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     pre, _ = p.parse_known_args(argv)
     if pre.model in OFFLINE_DEFAULTS:
@@ -716,7 +718,8 @@ def score(rollouts: list[dict], args, stats: dict) -> None:
     from rewards import compute_rewards, reference
 
     scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
-                             [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=stats)
+                             [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=stats,
+                             code_partial=args.code_reward == "fraction")
     for r, s in zip(rollouts, scores):
         r["score"], r["reward"] = s, s + overlong_penalty(r["length"], args)
 
@@ -746,7 +749,7 @@ def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, 
         if not args.dynamic_sampling:
             return rollouts, order, {}
         kept += mixed_groups({first + j: rollouts[j * G : (j + 1) * G] for j in range(n)}, held)
-        correct += sum(r["score"] > 0 for r in rollouts)
+        correct += sum(r["score"] >= 1 for r in rollouts)
         if len(kept) >= P:
             break
     rounds, batch = rnd + 1, deal_groups(held, kept, P, args.minibatches, rank, world)
@@ -1000,7 +1003,8 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
 def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
     """Rank-local sums for the paper's diagnostics (length CV within each group; negative-positive
     length gap over the groups with both signs); reduced over ranks by step_metrics. Accuracy counts
-    the verifier's score, the mean reward includes --overlong-buffer's shaping."""
+    the responses the verifier scores 1 (a code answer passing every test, also under --code-reward
+    fraction); the mean reward includes --overlong-buffer's shaping."""
     col = lambda k: torch.tensor([float(r[k]) for r in rollouts], dtype=torch.float64).view(-1, group_size)  # noqa: E731
     L, R, A = col("length"), col("reward"), col("advantage")
     mixed = (A > 0).any(1) & (A < 0).any(1)
@@ -1008,7 +1012,7 @@ def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
     return {"groups": len(L), "length_cv": (L.std(1, unbiased=False) / L.mean(1)).sum().item(),
             "zero_var_groups": (R.std(1) == 0).sum().item(), "mixed_groups": mixed.sum().item(),
             "length_gap": gap[mixed].sum().item(), "responses": L.numel(), "reward": R.sum().item(),
-            "correct": (col("score") > 0).sum().item(), "length": L.sum().item(),
+            "correct": (col("score") >= 1).sum().item(), "length": L.sum().item(),
             "truncated": col("truncated").sum().item()}
 
 

@@ -4,7 +4,9 @@ A prepared file is JSON Lines, one problem a row:
     id, source, kind ("math" | "code"), prompt, and answer (math) or tests (code)
 `prompt` is the problem as the user asks it; data/templates.py decides how the model sees it.
 Code `tests` are what rewards.code_reward takes: {"test", "entry_point"[, "prelude"]} or
-{"stdio": [{"input", "output"}, ...]}.
+{"stdio": [{"input", "output"}, ...]}. A code row whose every test is shown in its prompt (MBPP's
+asserts, LiveCodeBench's statement examples when its hidden tests are not there) says so with
+`tests_in_prompt: true`: a lookup table of the prompt passes it, and evaluate.py marks its benchmark.
 
     python -m data.prepare aime24 math500 humaneval              # from the Hugging Face hub
     python -m data.prepare aime24 amc23 --from data/benchmarks  # from local files
@@ -20,9 +22,13 @@ benchmarks are taken as published. Ids must be unique: evaluation keys results b
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import os
+import pickle
 import re
+import zlib
 from pathlib import Path
 
 PREPARED_DIR = Path(__file__).resolve().parent / "prepared"
@@ -52,9 +58,10 @@ DATASETS: dict[str, dict] = {
     # every split is cut to it, so that `mbpp` means the same 257 problems everywhere.
     "mbpp": {"kind": "code", "hf": ("google-research-datasets/mbpp", "sanitized", "test"),
              "file": "mbpp_sanitized.jsonl", "task_ids": (11, 510)},
-    # LiveCodeBench's hub copy needs its own loader script: prepare it from a JSONL copy
-    # (rllm's format: problem, starter_code, tests) with --from; a copy of its public tests ships.
-    "livecodebench": {"kind": "code", "hf": None, "file": "livecodebench_public.jsonl"},
+    # LiveCodeBench's hub copy needs its own loader script: prepare it from a JSONL copy with --from,
+    # code_generation_lite's own files (public and hidden tests) or rllm's format (problem, starter_code,
+    # tests). A file of this name (the copy that ships) holds the public tests only, the statement's examples.
+    "livecodebench": {"kind": "code", "hf": None, "file": "livecodebench_public.jsonl", "public_only": True},
 }
 HF_NAMES = {spec["hf"][0]: name for name, spec in DATASETS.items() if spec["hf"]}
 
@@ -66,6 +73,31 @@ CODE_PRELUDE = (
 
 
 STDIN_INSTRUCTION = "Read the input from standard input and print the answer to standard output."
+
+
+class _OnlyStrings(pickle.Unpickler):
+    """An unpickler that builds no object but builtin data: a pickle that names any class or function
+    (the way a pickle runs code) is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refused: the pickle names {module}.{name}")
+
+
+def hidden_tests(blob, source: str, i: int) -> list[dict]:
+    """LiveCodeBench's private tests as code_generation_lite ships them: a JSON list, or (most rows) that
+    JSON as a pickled string, zlib-compressed and base64-encoded, as LiveCodeBench's own loader reads them."""
+    if not blob:
+        return []
+    try:
+        tests = json.loads(blob) if isinstance(blob, str) and blob.lstrip().startswith("[") else None
+        if tests is None:
+            text = _OnlyStrings(io.BytesIO(zlib.decompress(base64.b64decode(blob)))).load()
+            tests = json.loads(text) if isinstance(text, str) else None
+    except (ValueError, zlib.error, pickle.UnpicklingError, EOFError) as e:
+        raise ValueError(f"{source}: row {i} has private_test_cases that cannot be read ({e})") from None
+    if not isinstance(tests, list):
+        raise ValueError(f"{source}: row {i} has private_test_cases that are not a list of tests")
+    return tests
 
 
 def convert(row: dict, source: str, i: int) -> dict:
@@ -92,10 +124,16 @@ def convert(row: dict, source: str, i: int) -> dict:
         test += "".join(f"    {name.sub('candidate', a)}\n" for a in row["test_list"])
         prompt = f"{row.get('prompt') or row.get('text')}\nYour code should pass these tests:\n" + "\n".join(
             row["test_list"])
-        return {**out, "kind": "code", "prompt": prompt, "tests": {"test": test, "entry_point": entry}}
+        return {**out, "kind": "code", "prompt": prompt, "tests": {"test": test, "entry_point": entry},
+                "tests_in_prompt": True}
     cases = row.get("tests") or row.get("public_test_cases")
     if cases and ("starter_code" in row or "question_content" in row):  # LiveCodeBench
         cases = json.loads(cases) if isinstance(cases, str) else cases
+        # code_generation_lite's rows: the public tests are the statement's examples; the official
+        # evaluation also runs the hidden ones
+        hidden = hidden_tests(row.get("private_test_cases"), source, i) if "public_test_cases" in row else None
+        if isinstance(cases, list) and hidden:
+            cases = cases + hidden
         starter = row.get("starter_code") or ""
         problem = row.get("problem") or row.get("question_content")
         if isinstance(cases, dict):  # APPS/TACO style, as rllm ships some rows
@@ -122,7 +160,8 @@ def convert(row: dict, source: str, i: int) -> dict:
                     "        assert (list(got) if isinstance(got, tuple) else got) == json.loads(expected)\n")
             tests = {"test": test, "entry_point": "Solution", "prelude": CODE_PRELUDE}
             prompt = f"{problem}\n\nComplete this starter code:\n```python\n{starter}\n```"
-        return {**out, "kind": "code", "prompt": prompt, "tests": tests}
+        shown = {"tests_in_prompt": True} if hidden == [] else {}  # code_generation_lite's row without its hidden tests
+        return {**out, "kind": "code", "prompt": prompt, "tests": tests, **shown}
     # math
     prompt = row.get("prompt")
     if isinstance(prompt, list):  # verl/DAPO chat format
@@ -318,7 +357,10 @@ def load_rows(spec: str, data_dir: str | None = None, train: bool | None = None)
         if path is None and entry["hf"] is None:
             raise ValueError(f"{name}: no local copy found ({', '.join(map(str, local))}); prepare it with --from")
         raw = _read_file(str(path)) if path else _read_hub(*entry["hf"])
-        return _check_kind(_task_range(rows_from(raw, name, dedup), entry), name, path or entry["hf"][0])
+        rows = _check_kind(_task_range(rows_from(raw, name, dedup), entry), name, path or entry["hf"][0])
+        if path is not None and path.name == entry["file"] and entry.get("public_only"):
+            rows = [{**r, "tests_in_prompt": True} for r in rows]
+        return rows
     if os.path.exists(spec):
         return rows_from(_read_file(spec), Path(spec).stem, bool(train))
     if is_hub_id(spec):  # another hub dataset: its train split

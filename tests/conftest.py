@@ -1,12 +1,19 @@
 import os
+import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# This session's sandboxes run as uids of their own (rewards.SANDBOX_UIDS), so that a test that looks for
+# leftover sandbox processes sees only the ones this session started, not another session's on the machine.
+os.environ.setdefault("REWARDS_SANDBOX_UID_BASE", str(0x7F000000 + 65536 * secrets.randbelow(255)))
 sys.path.insert(0, str(ROOT))
+import rewards  # noqa: E402  (after the uid range is chosen)
+
 BENCHMARKS = ROOT / "data" / "benchmarks"  # the copies the project ships (sources and licences in its README)
 
 
@@ -54,6 +61,27 @@ def long_demo_model(demo_dir, tmp_path_factory) -> Path:
                          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     tok.save_pretrained(model)
     return model
+
+
+def sandbox_processes() -> list[str]:
+    """Processes of this session's sandboxes (the uids conftest gave this session) still running."""
+    out = subprocess.run(["ps", "-eo", "uid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if int(line.split()[0]) in rewards.SANDBOX_UIDS]
+
+
+@pytest.fixture
+def clean_machine():
+    """After the test: none of this session's sandbox processes left, no sandbox directory left."""
+    before = set(os.listdir("/tmp"))
+    pools = {p: set(os.listdir(p)) for p in Path("/tmp").glob("rewards-pool-*")}
+    yield
+    deadline = time.time() + 5  # a killed worker's sandbox dies with it, but not in the same instant
+    while sandbox_processes() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not sandbox_processes()
+    assert not {f for f in set(os.listdir("/tmp")) - before if f.startswith("reward-")}
+    for pool_dir in Path("/tmp").glob("rewards-pool-*"):  # the batch workers' (weaker modes only)
+        assert not set(os.listdir(pool_dir)) - pools.get(pool_dir, set())
 
 
 @pytest.fixture

@@ -172,6 +172,80 @@ def test_livecodebench_stdin_rows_become_stdio_tests():
     assert len(stdin) == 175 and all(set(c) == {"input", "output"} for r in stdin for c in r["tests"]["stdio"])
 
 
+def lcb_lite_row(private: list[dict]) -> dict:
+    """A row as LiveCodeBench's code_generation_lite ships it, of a shipped problem (lcb/0: the index of
+    the second largest element): public tests as JSON, hidden ones pickled, zlib'd and base64'd."""
+    import base64
+    import pickle
+    import zlib
+
+    lcb0 = json.loads((BENCHMARKS / "livecodebench_public.jsonl").read_text().splitlines()[0])
+    blob = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(private)))).decode()
+    return {"question_title": "Second Best", "question_content": lcb0["problem"], "platform": "atcoder",
+            "question_id": "abc365_b", "contest_date": "2024-08-03T00:00:00", "starter_code": "",
+            "public_test_cases": json.dumps(lcb0["tests"]), "private_test_cases": blob, "metadata": "{}"}
+
+
+SECOND_BEST = "```python\nn = int(input())\na = list(map(int, input().split()))\nprint(a.index(sorted(a)[-2]) + 1)\n```"
+
+
+def lookup_table(row: dict) -> str:
+    """An answer from the prompt alone: the statement's "Sample Input k" / "Sample Output k" blocks as a
+    table (LiveCodeBench's public tests are these examples)."""
+    import re
+
+    text = row["prompt"].replace("\r\n", "\n")
+    samples = re.findall(r"Sample Input (\d+)\n\n(.*?)\n\nSample Output \1\n\n(.*?)(?:\n\n|$)", text, re.S)
+    table = {" ".join(x.split()): y for _, x, y in samples}
+    return ("```python\nimport sys\nT = " + repr(table) +
+            "\nsys.stdout.write(T.get(' '.join(sys.stdin.read().split()), ''))\n```")
+
+
+def test_livecodebench_hidden_tests_are_scored_and_a_table_of_the_prompt_fails_them():
+    import random
+
+    rng = random.Random(0)
+    private = []
+    for _ in range(6):
+        a = rng.sample(range(1, 10**9), rng.randint(2, 100))
+        private.append({"input": f"{len(a)}\n{' '.join(map(str, a))}\n", "output": f"{a.index(sorted(a)[-2]) + 1}\n",
+                        "testtype": "stdin"})
+    hidden = convert(lcb_lite_row(private), "livecodebench", 0)
+    public = convert({**lcb_lite_row([]), "private_test_cases": ""}, "livecodebench", 0)
+    assert len(hidden["tests"]["stdio"]) == 2 + 6 and "tests_in_prompt" not in hidden
+    assert len(public["tests"]["stdio"]) == 2 and public["tests_in_prompt"] is True
+    table = lookup_table(public)
+    assert "4 8 2 5 1" in table and "8 1 2 3 4 5 10 9 11" in table  # both examples, read from the prompt
+    scores = compute_rewards([table, table, SECOND_BEST, SECOND_BEST], [public["tests"], hidden["tests"]] * 2,
+                             ["code"] * 4, 2)
+    assert scores == [1.0, 0.0, 1.0, 1.0]  # the table: full marks on the examples only
+
+
+def test_hidden_tests_are_unpickled_without_running_anything(tmp_path):
+    import base64
+    import pickle
+    import zlib
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+
+    blob = base64.b64encode(zlib.compress(pickle.dumps(Boom()))).decode()
+    with pytest.raises(ValueError, match="row 3 has private_test_cases that cannot be read"):
+        convert({**lcb_lite_row([]), "private_test_cases": blob}, "livecodebench", 3)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_tests_shown_in_the_prompt_are_marked():
+    """MBPP's prompt lists its asserts, the shipped LiveCodeBench copy holds only the statement's examples."""
+    assert all(r.get("tests_in_prompt") for r in load_rows("mbpp", data_dir=str(BENCHMARKS)))
+    assert all(r.get("tests_in_prompt") for r in load_rows("livecodebench", data_dir=str(BENCHMARKS)))
+    assert not any(r.get("tests_in_prompt") for r in load_rows("humaneval", data_dir=str(BENCHMARKS)))
+    shown = [r for r in load_rows("livecodebench", data_dir=str(BENCHMARKS)) if "stdio" in r["tests"]][:30]
+    scores = compute_rewards([lookup_table(r) for r in shown], [r["tests"] for r in shown], ["code"] * 30, 2)
+    assert sum(scores) >= 29  # a table of the prompt passes (nearly) all of them (174 of 175): an upper bound
+
+
 class ChatTokenizer:
     chat_template = "<user>{content}</user><assistant>"
 

@@ -38,6 +38,28 @@ def test_benchmark_metrics_by_hand():
     assert m["problems"] == 3
 
 
+def test_a_partial_pass_is_not_solved():
+    """A pass fraction (a cache of the scoring before issue #27, or code_partial) counts as 0, as LiveCodeBench
+    counts: Acc@k and Best@k take only full passes."""
+    m = benchmark_metrics([[1, 0.5, 0.99, 0], [0.5, 0.5, 0.5, 0.5]], 4)
+    assert m["acc@4"] == pytest.approx(0.25 / 2) and m["best@4"] == pytest.approx(0.5)
+
+
+def test_benchmarks_with_their_tests_in_the_prompt_are_marked():
+    from evaluate import TESTS_IN_PROMPT_NOTE, format_table, runs_table, settings_key
+
+    shown = {**_results(0.5), "mbpp": {"acc@8": 0.7, "best@8": 0.9, "tests_in_prompt": True}}
+    table = format_table({"mbpp": {**shown["mbpp"], "acc@1": 0.7, "best@1": 0.7, "problems": 257},
+                          "humaneval": {"acc@1": 0.1, "acc@8": 0.1, "best@1": 0.1, "best@8": 0.3, "problems": 164}}, 8)
+    assert "| mbpp*" in table and "| humaneval " in table and TESTS_IN_PROMPT_NOTE in table
+    head = runs_table({"r": {0: shown}}, {"x": ["r"]}, ["demo-test", "mbpp"], 8).splitlines()[0]
+    assert "mbpp* Acc@8" in head and "demo-test Acc@8" in head
+    import argparse
+
+    args = argparse.Namespace(template="plain", n=8, temperature=0.6, top_p=0.95, max_tokens=10, seed=0, limit=None)
+    assert settings_key(args)[1]["scoring"] == __import__("rewards").SCORING_VERSION  # caches keyed by it
+
+
 def evaluate(*args, timeout=600):
     return subprocess.run([sys.executable, "evaluate.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)

@@ -46,6 +46,7 @@ def test_train_on_real_length_prompts(long_demo_model, tmp_path):
                         "--eval-limit", "16", "--eval-samples", "2", "--save-interval", "100",
                         "--kl-coef", "0.01",  # a KL term: the update runs even where no group has reward variance
                         "--rollout-correction", "token",
+                        "--code-reward", "fraction",  # the code rows' partial credit, on request
                         "--reward-workers", "2", "--output-dir", str(out), port=29640, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"[grpo] {len(rows)} training prompts (0 too long" in res.stdout

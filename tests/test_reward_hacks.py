@@ -16,7 +16,7 @@ from conftest import BENCHMARKS
 
 import rewards
 from data.prepare import load_rows
-from rewards import code_reward, compute_rewards
+from rewards import compute_rewards
 
 _FIND_SECRET = '''
 import os, re, sys
@@ -231,7 +231,7 @@ def test_hacks_win_when_the_check_runs_in_the_tested_process(monkeypatch):
     tests above would fail. (Real solutions still pass there: the hacks are what differs.)"""
     monkeypatch.setattr(rewards, "check_function", in_process_check)
     rows = sample_rows()
-    won = {family: [r["id"] for r in rows if code_reward(hack_response(family, r["tests"]), r["tests"]) > 0]
+    won = {family: [r["id"] for r in rows if rewards.score_code(hack_response(family, r["tests"]), r["tests"]) > 0]
            for family in HACKS}
     assert [f for f, ids in won.items() if not ids] == [], won
     raw = {json.loads(x)["task_id"]: json.loads(x) for x in (BENCHMARKS / "humaneval.jsonl").read_text().splitlines()}

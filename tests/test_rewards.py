@@ -211,35 +211,19 @@ ADD_TESTS = {"stdio": [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n",
 
 def test_stdio_tests_pass_fraction_and_whitespace():
     assert code_reward(fenced("a, b = map(int, input().split())\nprint(a + b, ' ')"), ADD_TESTS) == 1.0
-    assert code_reward(fenced("print(3)"), ADD_TESTS) == 0.5  # the expected output of one case, unsolved
-    assert code_reward(fenced("print(3)"), ADD_TESTS, binary=True) == 0.0
+    assert code_reward(fenced("print(3)"), ADD_TESTS) == 0.0  # one case's expected output: not every test
+    assert code_reward(fenced("print(3)"), ADD_TESTS, partial=True) == 0.5  # the fraction, on request
     assert code_reward("```python\nprint(\n```", ADD_TESTS) == 0.0  # syntax error
 
 
 # -- code: hostile programs -------------------------------------------------------------------------
 
 try:
-    FULL_ISOLATION = rewards.sandbox_mode() == "bwrap" or rewards._sandbox_uid(rewards.sandbox_mode()) >= 0
+    FULL_ISOLATION = rewards.sandbox_mode() == "bwrap" or (os.geteuid() == 0 and rewards._python_readable_by_others())
 except rewards.SandboxUnavailable:
     FULL_ISOLATION = False
 needs_isolation = pytest.mark.skipif(not FULL_ISOLATION, reason="no bubblewrap and cannot drop privileges here")
 ECHO_TEST = {"test": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "f"}
-
-
-def sandbox_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "uid=,args="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.split()[0] == str(rewards.SANDBOX_UID)]
-
-
-@pytest.fixture
-def clean_machine():
-    before = set(os.listdir("/tmp"))
-    yield
-    time.sleep(0.2)
-    assert not sandbox_processes()
-    assert not {f for f in set(os.listdir("/tmp")) - before if f.startswith("reward-")}
-    for pool_dir in Path("/tmp").glob("rewards-pool-*"):  # sandboxes of the batch workers
-        assert not any(pool_dir.iterdir())
 
 
 def hostile(code: str, tests=None, timeout: float = 3.0) -> tuple[float, float]:
@@ -286,7 +270,8 @@ def test_environment_secret_is_not_readable(clean_machine, monkeypatch):
     code = ("import os\nv = os.environ.get('GRPO_TEST_SECRET', '')\n"
             f"try:\n    v += open('/proc/{os.getpid()}/environ').read()\nexcept Exception:\n    pass\n"
             "print('ok' if 's3cr3t-value' in v else 'no')")
-    assert hostile(code)[0] == 0.0
+    # scored in this process, whose environment holds the secret
+    assert rewards.score_code(fenced(code), {"stdio": [{"input": "", "output": "ok"}]}, timeout=3.0) == 0.0
 
 
 @needs_isolation
@@ -326,8 +311,8 @@ FLOOD = "while True:\n    print('x' * 10000)"
 @pytest.mark.parametrize("tests", [{"stdio": [{"input": "", "output": "ok"}]}, ECHO_TEST], ids=["stdio", "function"])
 def test_output_flood_is_cut_off(clean_machine, tests):
     """Endless output scores 0 quickly, and the scorer's own memory stays bounded."""
-    code = ("import resource, sys, time\nsys.path.insert(0, sys.argv[1])\nfrom rewards import code_reward\n"
-            f"t0 = time.time()\ns = code_reward({fenced(FLOOD)!r}, {tests!r})\n"
+    code = ("import resource, sys, time\nsys.path.insert(0, sys.argv[1])\nfrom rewards import score_code\n"
+            f"t0 = time.time()\ns = score_code({fenced(FLOOD)!r}, {tests!r})\n"  # the scorer is this process
             "print(s, time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     res = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120)
     score, secs, rss_kib = res.stdout.split()
@@ -354,7 +339,7 @@ def test_exit_before_tests_does_not_pass(clean_machine):
 
 def score_code_with(env: dict) -> subprocess.CompletedProcess:
     code = ("import sys\nsys.path.insert(0, sys.argv[1])\nfrom rewards import compute_rewards\n"
-            f"print(compute_rewards([{fenced('print(3)')!r}], [{ADD_TESTS!r}], ['code'], 1))")
+            f"print(compute_rewards([{fenced('print(3)')!r}], [{ADD_TESTS!r}], ['code'], 1, code_partial=True))")
     return subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env})
 
@@ -507,7 +492,7 @@ def test_stdio_cases_share_one_sandbox_start(monkeypatch):
     real = rewards._sandbox
     monkeypatch.setattr(rewards, "_sandbox", lambda *a, **k: starts.append(1) or real(*a, **k))
     tests = {"stdio": [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(5)]}
-    assert code_reward(fenced("print(2 * int(input()))"), tests) == 1.0
+    assert rewards.score_code(fenced("print(2 * int(input()))"), tests) == 1.0  # in this process
     assert len(starts) == 1
 
 
@@ -527,7 +512,7 @@ def test_each_case_has_its_own_time_limit_and_output_cap(clean_machine):
                "if case == 'flood':\n    while True:\n        print('x' * 10000)\nprint(case)")
     tests = {"stdio": [{"input": c, "output": c} for c in ("loop", "a", "flood", "b")]}
     t0 = time.time()
-    assert code_reward(fenced(program), tests, timeout=2.0) == 0.5
+    assert code_reward(fenced(program), tests, partial=True, timeout=2.0) == 0.5
     assert time.time() - t0 < 2.0 + 6
 
 
