@@ -456,9 +456,9 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
 
 
 def nonfinite_weights(engine) -> int:
-    """Non-finite weights over all ranks (each counts its own ZeRO-3 partition, no gather)."""
-    local = sum(int((~torch.isfinite(getattr(p, "ds_tensor", p))).sum()) for p in engine.module.parameters())
-    return int(all_reduce([local]).item())
+    """Non-finite weights over all ranks (each counts its own ZeRO-3 partition, no gather; one device sync)."""
+    counts = [(~torch.isfinite(getattr(p, "ds_tensor", p))).sum() for p in engine.module.parameters()]
+    return int(all_reduce([torch.stack(counts).sum().item()]).item())
 
 
 @torch.no_grad()
@@ -1592,7 +1592,7 @@ def main(argv: list[str] | None = None) -> None:
             close_loggers()
             dist.barrier()
             sys.exit(f"train_grpo.py: error: step {step}'s update made {nonfinite} weights non-finite (not saved); "
-                     f"{resume_point(out_dir, world)}")
+                     f"{resume_point(out_dir, world)}" if rank == 0 else 1)
 
         # 6. weight sync
         t0 = time.time()
