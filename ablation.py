@@ -75,6 +75,8 @@ def main() -> None:
     env = dict(os.environ, **({} if cuda else {"DS_ACCELERATOR": "cpu"}))
     if nproc < 1:
         p.error(f"--nproc must be at least 1 (got {nproc})")
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {out} is a file; give a directory (each run's output goes inside it)")
     # every run's and the evaluation's arguments checked before the first run starts (argparse
     # errors exit here with their own one-line message)
     import evaluate
@@ -82,10 +84,11 @@ def main() -> None:
     settings = [(agg, loss) for loss in args.losses for agg in args.aggs]
     try:
         for agg, loss in settings:
-            trial = train_grpo.parse_args(["--model", args.model, "--agg", agg, "--policy-loss", loss, "--seed",
-                                           str(args.seeds[0]), "--output-dir", str(out / "check"), "--eval-dataset",
-                                           "", *train_extra])
-            train_grpo.check_args(trial, nproc)
+            for seed in args.seeds:
+                trial = train_grpo.parse_args(["--model", args.model, "--agg", agg, "--policy-loss", loss, "--seed",
+                                               str(seed), "--output-dir", str(out / "check"), "--eval-dataset", "",
+                                               *train_extra])
+                train_grpo.check_args(trial, nproc)
             train_grpo.deepspeed_config(trial, nproc)
         evaluate.parse_args(["--run", str(out), *eval_args])
     except ValueError as e:

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 import train_grpo as T
+from data.prepare import is_hub_id
 
 ROOT = Path(__file__).resolve().parent
 _KEEP: list = []
@@ -69,6 +70,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--logprob-chunk", type=int, default=T.parse_args([]).logprob_chunk, help="the trainer's default")
     args = p.parse_args()
+    try:
+        check_args(args)
+    except ValueError as e:
+        p.error(str(e))
     # the trainer's flags that its functions read
     args.temperature, args.top_p = 1.0, 1.0
     args.policy_loss, args.clip_eps_low, args.clip_eps_high, args.kl_coef = "ppo", 0.2, 0.28, 0.0
@@ -78,6 +83,33 @@ def parse_args() -> argparse.Namespace:
     args.lr_warmup_steps, args.ds_config, args.seed = 0, str(ROOT / "ds_config.json"), 0
     args.vllm_gpu_memory, args.reward_workers = 0.3, 4
     return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every setting that cannot run, in one line, before any engine, probe or timing starts."""
+    for k in ("prompts_per_rank", "micro_batch_size", "max_prompt_len", "max_response_len", "repeats", "reward_n",
+              "logprob_chunk"):
+        if getattr(args, k) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
+    if args.group_size < 2:
+        raise ValueError(f"--group-size must be at least 2 (got {args.group_size}): advantages compare a group's "
+                         "responses")
+    if args.peer_steps < 2:
+        raise ValueError(f"--peer-steps must be at least 2 (got {args.peer_steps}): the first one warms up")
+    hidden = args.sync_hidden.split(",") if args.sync_hidden else []
+    if not all(h.strip().isdigit() and int(h) > 0 and int(h) % 64 == 0 for h in hidden):
+        raise ValueError(f"--sync-hidden {args.sync_hidden!r}: comma-separated multiples of 64 (the head size)")
+    from data.demo import TASKS
+
+    if args.model not in TASKS and not os.path.isdir(args.model) and not is_hub_id(args.model):
+        raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir, a hub id, or demo / lab)")
+    from data.prepare import DATASETS
+
+    if args.dataset not in (*TASKS, "demo-test", *DATASETS) and not os.path.exists(args.dataset) and \
+            not is_hub_id(args.dataset):
+        raise ValueError(f"--dataset {args.dataset}: not a file, a hub name, or one of demo, {', '.join(DATASETS)}")
+    if Path(args.out).is_dir() or not Path(args.out).resolve().parent.is_dir():
+        raise ValueError(f"--out {args.out}: must be a file in an existing directory (the JSON results)")
 
 
 def best_of(n: int, fn) -> float:

@@ -76,8 +76,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})"
                     + ("; omit it to evaluate every problem" if k == "limit" else ""))
+    try:
+        T.check_finite(args)
+    except ValueError as e:
+        p.error(str(e))
     if args.temperature < 0 or not 0 < args.top_p <= 1 or not 0 < args.gpu_memory <= 1:
         p.error("--temperature must be >= 0, --top-p in (0, 1] and --gpu-memory in (0, 1]")
+    if not 0 <= args.seed <= T.SEED_MAX:
+        p.error(f"--seed must be in [0, {T.SEED_MAX}] (vLLM's range; got {args.seed})")
     if args.data_parallel_size is None:
         import torch
 
@@ -137,9 +143,13 @@ def check_checkpoint(path: str) -> None:
 
 
 def settings_key(args) -> tuple[str, dict]:
+    """The cache key: every setting that changes a score. --max-model-len (a prompt that leaves no room
+    for --max-tokens scores 0) only when given, so that the caches made before it counted stay valid."""
     keys = ("template", "n", "temperature", "top_p", "max_tokens", "seed", "limit")
     settings = {k: getattr(args, k) for k in keys}
     settings["scoring"] = SCORING_VERSION  # a cache of other scoring is not read: no table mixes two
+    if args.max_model_len is not None:
+        settings["max_model_len"] = args.max_model_len
     return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10], settings
 
 
@@ -288,8 +298,9 @@ def run_args(run: str) -> dict:
 
 def run_checkpoints(run: str) -> list[tuple[int, str]]:
     """(step, checkpoint) of a run: step 0 is the initial policy (the run's --model), then step_N."""
-    ckpts = sorted(Path(run, "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    ckpts = [p for p in ckpts if not p.name.endswith(".tmp")]
+    ckpts = T.checkpoint_dirs(Path(run, "checkpoints"))  # the trainer's own names: step_ and digits
+    if not Path(run).is_dir():
+        raise ValueError(f"{run}: no such run directory")
     if not ckpts:
         raise ValueError(f"{run}: no checkpoints (expected {run}/checkpoints/step_N)")
     from data.demo import model_dir

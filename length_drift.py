@@ -146,9 +146,9 @@ def mean_std(xs: list[float]) -> str:
 def setting_runs(ablation: Path) -> dict[tuple[str, str], list[Path]]:
     """An ablation directory's runs by (rule, policy loss), in the trainer's order of the rules."""
     out = defaultdict(list)
-    for run in sorted(p for p in ablation.iterdir() if (p / "args.json").exists()):
-        a = json.loads((run / "args.json").read_text())
-        out[(a["agg"], a.get("policy_loss", "ppo"))].append(run)
+    for agg, runs in ablation_runs(str(ablation)).items():
+        for run in runs:
+            out[(agg, json.loads((run / "args.json").read_text()).get("policy_loss", "ppo"))].append(run)
     return dict(sorted(out.items(), key=lambda kv: (kv[0][1] != "ppo", kv[0][1], RULES.index(kv[0][0]))))
 
 
@@ -266,7 +266,30 @@ def main() -> None:
         p.error("give an ablation directory, --model or --summary")
     import evaluate
 
-    ev = evaluate.parse_args(["--run", "x", *shlex.split(args.eval_args)])
+    ev = evaluate.parse_args(["--run", "x", *shlex.split(args.eval_args)])  # its errors: one line, exit 2
+    try:
+        report(args, ev)
+    except (ValueError, OSError) as e:
+        from data.prepare import first_line
+
+        sys.exit(f"length_drift.py: error: {first_line(e)}")
+
+
+def ablation_runs(ablation: str) -> dict[str, list[Path]]:
+    """An ablation directory's runs (MODEL-AGG-sSEED, each with its args.json) by rule; never none."""
+    if not Path(ablation).is_dir():
+        raise ValueError(f"{ablation}: no such directory (give an ablation.py --out directory)")
+    by_agg = defaultdict(list)
+    for run in sorted(p for p in Path(ablation).iterdir() if (p / "args.json").exists()):
+        by_agg[json.loads((run / "args.json").read_text())["agg"]].append(run)
+    if not by_agg:
+        raise ValueError(f"{ablation}: no training runs in it (directories with an args.json, as ablation.py writes)")
+    return by_agg
+
+
+def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
+    import evaluate
+
     if args.summary:
         summary([Path(a) for a in args.summary], ev, Path(args.figure) if args.figure else None)
         return
@@ -295,10 +318,10 @@ def main() -> None:
             print(f"| {acc:.2f} | " + " | ".join(f"{simulated_push(lengths, acc, n, a):+.4f}" for a in RULES) + " |")
         return
 
-    runs = sorted(p for p in Path(args.ablation).iterdir() if (p / "args.json").exists())
-    by_agg = defaultdict(list)
-    for run in runs:
-        by_agg[json.loads((run / "args.json").read_text())["agg"]].append(run)
+    by_agg = ablation_runs(args.ablation)
+    # every checkpoint's cached samples first: a run without them stops here, before any table is printed
+    samples = {run: [(step, checkpoint_samples(ckpt, ev)) for step, ckpt in evaluate.run_checkpoints(str(run))]
+               for group in by_agg.values() for run in group}
     steps = [1, 5, 10, 20, 30, 40]
     print(f"{args.ablation}: mean response length of the training rollouts (mean ± std over seeds)\n")
     print("| rule | " + " | ".join(f"step {s}" for s in steps) + " | steps 36-40 |\n|---|" + "---|" * (len(steps) + 1))
@@ -313,8 +336,8 @@ def main() -> None:
     for agg, group in by_agg.items():
         per_step = defaultdict(list)
         for run in group:
-            for step, ckpt in evaluate.run_checkpoints(str(run)):
-                per_step[step].append(checkpoint_samples(ckpt, ev))
+            for step, sample in samples[run]:
+                per_step[step].append(sample)
         for step, samples in sorted(per_step.items()):
             acc = [float(r.mean()) for r, _, _ in samples]
             mean_len = [float(L.double().mean()) for _, L, _ in samples]

@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import fcntl
+import functools
+import hashlib
 import io
 import json
 import logging
 import math
 import os
 import random
+import re
+import signal
+import socket
 import sys
 import tempfile
 import time
@@ -53,6 +60,26 @@ import torch.utils.checkpoint  # noqa: E402
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from data.prepare import first_line, is_hub_id  # noqa: E402  (first_line: an error's, for one-line messages)
+
+
+def jit_extensions_dir() -> str:
+    """Where DeepSpeed's JIT-built ops go: torch's cache root, in a folder of its own per install of
+    DeepSpeed and torch. torch rebuilds an op whenever the build.ninja it finds names other source paths,
+    and each clone's venv holds them at other paths: with one shared folder, launches from two clones
+    rebuilt each other's ops in turn (84-177 s, silently)."""
+    import importlib.util
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    spec = importlib.util.find_spec("deepspeed")
+    install = f"{spec.origin if spec else ''}\n{torch.__file__}"
+    device = f"rocm{torch.version.hip}" if torch.version.hip else f"cu{torch.version.cuda}" if torch.version.cuda \
+        else "cpu"
+    name = f"py{sys.version_info.major}{sys.version_info.minor}_{device.replace('.', '')}"
+    return os.path.join(get_default_build_root(), f"{name}-{hashlib.sha1(install.encode()).hexdigest()[:8]}")
+
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_extensions_dir())  # a user's own choice is kept
 
 # -----------------------------------------------------------------------------
 # Hyperparameters. Defaults follow the DAPO recipe (clip-higher 0.2/0.28, lr 1e-6 with
@@ -113,8 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--eval-samples", type=int, default=8, help="k of the sampled Acc@k at evaluation")
     a("--eval-limit", type=int, default=512, help="at most this many held-out prompts")
     a("--save-interval", type=int, default=50, help="steps between checkpoints (full state + HF export)")
-    a("--keep-last", type=int, default=3, help="full training states kept (HF exports are all kept)")
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    a("--keep-last", type=int, default=3, help="full training states kept, at least 1 (HF exports are all kept)")
+    a("--resume", action="store_true",
+      help="continue from the latest checkpoint in --output-dir, which must hold one; may change the arguments "
+           "in RESUME_MAY_CHANGE (lr, clip eps, temperature, ...)")
     a("--max-bad-steps", type=int, default=5, help="consecutive non-finite steps before the run stops")
     a("--mask-truncated", action="store_true", help="no loss on responses cut at --max-response-len (DAPO)")
     a("--dynamic-sampling", action="store_true",
@@ -153,18 +182,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_finite(args: argparse.Namespace) -> None:
+    """Every float argument (and every float in a list argument) is a finite number: NaN passes every
+    comparison of a range check as False (`--kl-coef nan` is not < 0), and inf turns into NaN weights."""
+    for k, v in vars(args).items():
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(f"--{k.replace('_', '-')} must be a finite number (got {x})")
+
+
+SEED_MAX = 2**31 - 1  # vLLM seeds NumPy with seed + rank, and NumPy takes [0, 2^32)
+
+
 def check_args(args: argparse.Namespace, world: int) -> None:
     """Fail in one line, with the rule, before any expensive work, on settings that cannot run."""
     flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    check_finite(args)
     at_least_1 = ["minibatches", "micro_batch_size", "steps", "max_prompt_len", "max_response_len", "logprob_chunk",
                   "eval_interval", "eval_samples", "eval_limit", "save_interval", "max_bad_steps", "reward_workers",
                   "max_sample_rounds"]
     for k in at_least_1:
         if getattr(args, k) < 1:
             raise ValueError(f"{flag(k)} must be at least 1 (got {getattr(args, k)})")
-    for k in ["lr_warmup_steps", "weight_decay", "kl_coef", "keep_last", "clip_eps_high", "peak_tflops",
-              "overlong_buffer", "overlong_penalty"]:
-        if (getattr(args, k) or 0) < 0:
+    if args.keep_last < 1:
+        raise ValueError(f"--keep-last must be at least 1 (got {args.keep_last}): a resume needs the newest full "
+                         "state; give a number above --steps / --save-interval to keep them all")
+    for k in ["lr_warmup_steps", "weight_decay", "kl_coef", "clip_eps_high", "overlong_buffer", "overlong_penalty"]:
+        if (getattr(args, k) or 0) < 0:  # None: a policy loss without that parameter
             raise ValueError(f"{flag(k)} must be >= 0 (got {getattr(args, k)})")
     own = POLICY_LOSS_DEFAULTS[args.policy_loss]
     for k in ("clip_eps_low", "clip_eps_high", "sapo_tau_pos", "sapo_tau_neg"):
@@ -172,7 +216,7 @@ def check_args(args: argparse.Namespace, world: int) -> None:
             raise ValueError(f"{flag(k)} does not apply to --policy-loss {args.policy_loss} (its parameters: "
                              + ", ".join(map(flag, own)) + ")")
     low, cispo = args.clip_eps_low, args.policy_loss == "cispo"  # cispo: 1 = no lower bound on the weight
-    ranges = {"lr": (args.lr > 0, "> 0"), "temperature": (args.temperature > 0, "> 0 (sampled groups)"),
+    ranges = {"lr": (0 < args.lr <= 1, "in (0, 1]"), "temperature": (args.temperature > 0, "> 0 (sampled groups)"),
               "top_p": (0 < args.top_p <= 1, "in (0, 1]"),
               "clip_eps_low": (low is None or 0 <= low < 1 or (cispo and low == 1),
                                "in [0, 1]" if cispo else "in [0, 1)"),
@@ -180,7 +224,9 @@ def check_args(args: argparse.Namespace, world: int) -> None:
               "sapo_tau_neg": (args.sapo_tau_neg is None or args.sapo_tau_neg > 0, "> 0"),
               "vllm_gpu_memory": (0 < args.vllm_gpu_memory < 1, "in (0, 1)"),
               "rollout_correction_cap": (args.rollout_correction_cap > 1, "> 1"),
-              "overlong_buffer": (args.overlong_buffer <= args.max_response_len, "at most --max-response-len")}
+              "overlong_buffer": (args.overlong_buffer <= args.max_response_len, "at most --max-response-len"),
+              "peak_tflops": (args.peak_tflops is None or args.peak_tflops > 0, "> 0"),
+              "seed": (0 <= args.seed <= SEED_MAX, f"in [0, {SEED_MAX}] (vLLM's range)")}
     for k, (ok, rule) in ranges.items():
         if not ok:
             raise ValueError(f"{flag(k)} must be {rule} (got {getattr(args, k)})")
@@ -464,7 +510,7 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
     ranks and any micro-batch size. Also sums, per token, the rollout-trainer mismatch between the
     log-probs vLLM sampled with and the trainer's before the update (`old`).
     """
-    sums = defaultdict(float)
+    sums, skipped_before = defaultdict(float), engine.skipped_steps
     log_cap = math.log(args.rollout_correction_cap)
     order = sorted(range(len(batch)), key=lambda i: len(batch[i]["tokens"]))  # bucket by length
     for start in range(0, len(order), args.micro_batch_size):
@@ -496,7 +542,15 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
         for k, v in st.items():
             sums[k] += v.float().sum().item()
     sums["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
+    # DeepSpeed's own verdict: it skips the optimizer step when the gradient norm is not finite
+    sums["skipped"] = engine.skipped_steps - skipped_before
     return sums
+
+
+def nonfinite_weights(engine) -> int:
+    """Non-finite weights over all ranks (each counts its own ZeRO-3 partition, no gather; one device sync)."""
+    counts = [(~torch.isfinite(getattr(p, "ds_tensor", p))).sum() for p in engine.module.parameters()]
+    return int(all_reduce([torch.stack(counts).sum().item()]).item())
 
 
 @torch.no_grad()
@@ -863,21 +917,27 @@ def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dic
     import torch.distributed as dist
 
     final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
-    torch.save(rng_state(), tmp / "state" / f"rng_rank{rank}.pt")
-    weights = {}
-    for name, param in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param]):
-            if rank == 0:
-                weights[name] = param.data.detach().cpu().clone()
-    if rank == 0:
-        engine.module.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
+        torch.save(rng_state(), tmp / "state" / f"rng_rank{rank}.pt")
+        weights = {}
+        for name, param in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                if rank == 0:
+                    weights[name] = param.data.detach().cpu().clone()
+        if rank == 0:
+            engine.module.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "unexpected pos N vs M"
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or no_space_left(root):
+            raise OSError(errno.ENOSPC, f"no space left on {root}: {tmp.name} is incomplete (remove it, or "
+                                        "the next save at this step does)") from None
+        raise
     dist.barrier()
     if rank == 0:
         if final.exists():
@@ -885,10 +945,33 @@ def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dic
         os.replace(tmp, final)
         (root / "latest.tmp").write_text(final.name)
         os.replace(root / "latest.tmp", root / "latest")
-        states = sorted(p.parent for p in root.glob("step_*/state") if not p.parent.name.endswith(".tmp"))
-        for old in states[:-keep_last] if keep_last > 0 else []:
+        states = [c for c in checkpoint_dirs(root) if (c / "state").is_dir()]
+        for old in states[:-keep_last]:
             shutil.rmtree(old / "state", ignore_errors=True)
     dist.barrier()
+
+
+def no_space_left(d: Path) -> bool:
+    """Whether d's filesystem is full, or the user's quota spent: a 1 MiB write says it with an errno."""
+    probe = d / f".space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        return False
+    except OSError as e:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """The trainer's checkpoints in root, oldest first: step_ and digits only (step_best, a copy, and
+    step_000001.bak, a backup, are the user's; step_N.tmp is a save in progress)."""
+    found = [p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[5:]))
 
 
 def checkpoint_problem(ckpt: Path, world: int) -> str | None:
@@ -899,6 +982,14 @@ def checkpoint_problem(ckpt: Path, world: int) -> str | None:
             return "trainer_state.json lacks step / order / bad_streak"
     except (OSError, ValueError) as e:
         return f"trainer_state.json: {first_line(e)}"
+    count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    if not count(state["step"]) or not count(state["bad_streak"]):
+        return (f"trainer_state.json: step and bad_streak must be counts (got {state['step']!r}, "
+                f"{state['bad_streak']!r})")
+    if not isinstance(state["order"], list) or not all(map(count, state["order"])):
+        return "trainer_state.json: order must be a list of prompt indices"
+    if not isinstance(state.get("run", {}), dict):
+        return "trainer_state.json: run must be the run's arguments"
     files = [f for f in (ckpt / "state").glob("*") if f.is_file()]
     if not files:
         return "no state/ (pruned by --keep-last, or never written)"
@@ -924,7 +1015,7 @@ def resumable_checkpoints(root: Path, world: int) -> list[Path]:
     A run directory that has checkpoints but none complete is an error: starting afresh would
     overwrite its metrics and checkpoints.
     """
-    found = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+    found = checkpoint_dirs(root)[::-1]
     complete, skipped = [], []
     for ckpt in found:
         problem = checkpoint_problem(ckpt, world)
@@ -966,10 +1057,99 @@ def load_training_state(engine, ckpt: Path, rank: int) -> dict:
 # may differ between the launches of one run (the directory is the run, wherever it is)
 RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
                     "keep_last", "max_bad_steps", "output_dir", "report_to", "peak_tflops"}
+# may differ after --resume, which continues a run with them changed (optimisation knobs, lengths the data
+# order does not depend on, evaluation); every other argument is the run's identity and never changes
+RESUME_MAY_CHANGE = {"lr", "lr_warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high", "sapo_tau_pos",
+                     "sapo_tau_neg", "kl_coef",
+                     "temperature", "top_p", "max_response_len", "micro_batch_size", "logprob_chunk",
+                     "gradient_checkpointing", "vllm_gpu_memory", "rollout_correction_cap", "eval_dataset",
+                     "eval_limit", "eval_samples"}
+
+
+def run_identity(args: dict) -> dict:
+    """What makes a run what it is: every argument but RUN_ARGS_IGNORED (so a flag added later is part of
+    it unless said otherwise), --ds-config by its contents (another clone's copy of it is the same run).
+    Recorded in every checkpoint's trainer_state.json as "run"."""
+    identity = {k: v for k, v in args.items() if k not in RUN_ARGS_IGNORED}
+    if isinstance(identity.get("ds_config"), str):
+        with contextlib.suppress(OSError, ValueError):  # a record whose file is gone: compared by path
+            identity["ds_config"] = json.loads(Path(identity["ds_config"]).read_text())
+    return identity
+
+
+def identity_changes(old: dict, new: dict) -> tuple[dict, list[str], list[str]]:
+    """(the recorded identity `old` with any argument it lacks at its default, as when it was added to the
+    trainer after the run was written; the arguments no resume may change and those only --resume may
+    change, on which it differs from this launch's identity `new`)."""
+    old = {**run_identity(vars(parse_args(["--model", str(new.get("model", "demo"))]))), **old}
+    differ = [k for k in sorted(new) if old.get(k) != new[k]]
+    return old, [k for k in differ if k not in RESUME_MAY_CHANGE], [k for k in differ if k in RESUME_MAY_CHANGE]
+
+
+def shown_changes(keys: list[str], old: dict, new: dict) -> str:
+    def value(d: dict, k: str):
+        return "(its contents)" if isinstance(d.get(k), dict) else d.get(k)
+
+    return ", ".join(f"--{k.replace('_', '-')} {value(old, k)} -> {value(new, k)}" for k in keys[:4]) + \
+        (f", and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+_HELD_LOCKS: dict[str, int] = {}  # run.lock path -> its open descriptor: the lock lives as long as this process
+
+
+def lock_output_dir(out_dir: Path) -> None:
+    """One writer per run directory: an exclusive POSIX record lock on OUTPUT_DIR/run.lock (fcntl), held
+    for the rest of the process's life. The kernel releases it when the process ends, however it ends
+    (SIGKILL too), so it is never stale, and fork()ed children do not inherit it; the file only names
+    the holder. NFS (v4, or v3 with lockd) honours it across nodes, Lustre only when mounted with
+    -o flock; where the filesystem has no locks, a warning says that the directory is unguarded."""
+    path = out_dir.resolve() / "run.lock"
+    if str(path) in _HELD_LOCKS:
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "one that has not named itself yet"
+        os.close(fd)  # this process holds no lock on the file: closing it releases nothing
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            raise ValueError(f"--output-dir {out_dir} is in use by another launch ({holder}); wait for it to "
+                             "end, or use another --output-dir") from None
+        print(f"[grpo] warning: {out_dir} is on a filesystem without locks ({first_line(e)}): nothing stops a "
+              "second launch into it", flush=True)
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+              .encode(), 0)
+    _HELD_LOCKS[str(path)] = fd
+
+
+def logged_lines(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of each line of a metrics.jsonl. A last line cut short (a kill while it was written) is
+    dropped; any other line that is not a JSON object with an integer step is a one-line error."""
+    lines = path.read_bytes().split(b"\n") if path.exists() else []
+    out = []
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode())
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            if i == len(lines):  # no newline after it: the line was being written
+                continue
+            raise ValueError(f"{path} line {i}: {first_line(e)}; expected one JSON object with an integer "
+                             "'step' per line (repair or remove the line)") from None
+        out.append((rec["step"], raw.decode()))
+    return out
 
 
 def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
-    """Checkpoints to resume from, newest first; refuses to mix two runs in one directory.
+    """Checkpoints to resume from, newest first. The launch takes the directory's lock (rank 0: one lock
+    per run, however many ranks and nodes share the directory), and refuses to mix two runs in one
+    directory: this launch's identity (run_identity) is compared with the one recorded in the newest
+    checkpoint, or in args.json for checkpoints that predate the record.
 
     args.json is written with a run's checkpoints: only a run that has trained binds its
     directory, so a launch that failed before its first checkpoint can be corrected.
@@ -983,20 +1163,31 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
         os.unlink(probe)
     except OSError as e:
         raise ValueError(f"--output-dir {out_dir} is not writable ({first_line(e)})") from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        lock_output_dir(out_dir)
+    logged_lines(out_dir / "metrics.jsonl")  # a damaged log is named now, not after the engines start
     checkpoints = resumable_checkpoints(out_dir / "checkpoints", world)
-    old_args = out_dir / "args.json"
-    if old_args.exists() and not args.resume:
+    record, where = None, out_dir
+    if checkpoints:
+        record = json.loads((checkpoints[0] / "trainer_state.json").read_text()).get("run")
+        where = checkpoints[0]
+    if record is None and (out_dir / "args.json").exists():
         try:
-            old = json.loads(old_args.read_text())
+            record, where = run_identity(json.loads((out_dir / "args.json").read_text())), out_dir
         except ValueError:
-            raise ValueError(f"{old_args} is not valid JSON: repair or remove it") from None
-        new, default = vars(args), vars(parse_args(["--model", args.model]))  # a flag added since: its default
-        diff = [k for k in sorted(set(old) | set(new))
-                if k not in RUN_ARGS_IGNORED and old.get(k, default.get(k)) != new.get(k)]
-        if diff:
-            shown = ", ".join(f"--{k.replace('_', '-')} {old.get(k, default.get(k))} -> {new.get(k)}" for k in diff[:4])
-            raise ValueError(f"{out_dir} holds a run with other arguments ({shown}); "
-                             "use another --output-dir, or --resume to continue it with these")
+            raise ValueError(f"{out_dir / 'args.json'} is not valid JSON: repair or remove it") from None
+    if record is not None:
+        new = run_identity(vars(args))
+        record, never, unless_resume = identity_changes(record, new)
+        if never:
+            raise ValueError(f"{where} holds a run with other arguments ({shown_changes(never, record, new)}), "
+                             "which no resume changes: use another --output-dir, or its arguments")
+        if unless_resume and not args.resume:
+            raise ValueError(f"{where} holds a run with other arguments ({shown_changes(unless_resume, record, new)}"
+                             "); use another --output-dir, or --resume to continue it with these")
+    if args.resume and not checkpoints:
+        raise ValueError(f"--resume: {out_dir} holds no checkpoint to resume from (no checkpoints/step_N); "
+                         "drop --resume to start a run there, or check the directory")
     return checkpoints
 
 
@@ -1033,6 +1224,10 @@ def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
     if not isinstance(cfg, dict) or not all(isinstance(cfg.get(k, {}), dict) for k in ("optimizer",
                                                                                         "zero_optimization")):
         raise ValueError(f"--ds-config {args.ds_config}: must hold a JSON object, as ds_config.json does")
+    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    if stage != 3:  # a resume checks and loads ZeRO-3's layout: a model and an optimizer shard per rank
+        raise ValueError(f"--ds-config {args.ds_config}: ZeRO stage {stage}; this trainer runs ZeRO-3 only "
+                         "(set zero_optimization.stage to 3; offload options stay available)")
     per_rank = args.prompts_per_step // world * args.group_size // args.minibatches
     gas = math.ceil(per_rank / args.micro_batch_size)
     sizes = dict(train_micro_batch_size_per_gpu=args.micro_batch_size, gradient_accumulation_steps=gas,
@@ -1064,6 +1259,100 @@ def linear_warmup(num_updates: int):
     from torch.optim.lr_scheduler import LambdaLR
 
     return lambda optimizer: LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / num_updates))
+
+
+def jit_ops(ds_config: dict) -> list[str]:
+    """The DeepSpeed ops this launch JIT-builds (ninja, into TORCH_EXTENSIONS_DIR) on first use: the CPU
+    collectives on the CPU, CPU Adam with optimizer offload, FusedAdam when torch's AdamW is not chosen."""
+    ops = [] if torch.cuda.is_available() else ["deepspeed_shm_comm"]
+    optimizer = ds_config.get("optimizer", {})
+    if ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none":
+        ops.append("cpu_adam")
+    elif optimizer.get("type", "").lower() in ("adam", "adamw") and not optimizer.get("params", {}).get("torch_adam"):
+        ops.append("fused_adam")
+    return ops
+
+
+LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "jfs", "bcachefs"}
+
+
+def on_local_filesystem(path: Path) -> bool:
+    """Whether `path` lies on a filesystem no other machine writes to (its mount in /proc/mounts)."""
+    target, best, kind = os.path.realpath(path), "", ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            mount, fstype = line.split()[1:3]
+            if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, kind = mount, fstype
+    return kind in LOCAL_FILESYSTEMS
+
+
+def lock_holders(path: Path) -> list[int] | None:
+    """This machine's processes that hold `path` open (/proc/PID/fd), or None where /proc cannot tell."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    target, holders = os.path.realpath(path), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile, or another user's
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in os.listdir(f"/proc/{pid}/fd")):
+                holders.append(int(pid))
+    return holders
+
+
+def clear_stale_build_lock(lock: Path, speak: bool, wait_s: float = 900) -> None:
+    """torch's JIT build lock (a file that its builder holds open and removes when done) left by a launch
+    killed while it built makes every later build of the op wait for it forever, saying nothing. On a
+    local filesystem with no process holding it, its builder is gone: it is removed. Where another
+    machine may be building into a shared cache, it is waited for (wait_s), then named."""
+    if not lock.exists():
+        return
+    holders = lock_holders(lock)
+    if holders:
+        return  # a build is running on this machine: torch waits for it, as it should
+    if holders is not None and on_local_filesystem(lock):
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+            if speak:
+                print(f"[grpo] removed {lock}: a JIT build lock whose builder is gone (a launch killed while it "
+                      "built)", flush=True)
+        return
+    if speak:
+        print(f"[grpo] waiting for {lock}: a JIT build lock held by no process on this machine (another node "
+              "building into a shared cache?)", flush=True)
+    deadline = time.time() + wait_s
+    while lock.exists() and time.time() < deadline:
+        time.sleep(1)
+    if lock.exists():
+        raise ValueError(f"{lock}: a JIT build lock held by no process on this machine for {wait_s:.0f} s, left by "
+                         f"a launch killed while it built; if no other node builds into this cache, rm {lock}")
+
+
+def check_jit_cache(ds_config: dict, local_rank: int) -> None:
+    """The ops this launch JIT-builds can be built: TORCH_EXTENSIONS_DIR is writable (torch takes a build
+    lock there even to load a built op) and holds no stale build lock; a build about to run is said."""
+    import importlib.util
+
+    ops = jit_ops(ds_config)
+    if not ops:
+        return
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or jit_extensions_dir())
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=root, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"the JIT extension cache {root} is not writable ({first_line(e)}); set TORCH_EXTENSIONS_DIR "
+                         "to a writable directory") from None
+    spec = importlib.util.find_spec("deepspeed")
+    source = os.path.dirname(spec.origin) if spec and spec.origin else ""
+    for op in ops:
+        clear_stale_build_lock(root / op / "lock", speak=local_rank == 0)
+        ninja = root / op / "build.ninja"
+        built = any((root / op).glob("*.so")) and ninja.exists() and source in ninja.read_text()
+        if not built and local_rank == 0:
+            print(f"[grpo] building DeepSpeed's {op} op into {root / op} (once per install: about 20 s on a CPU, "
+                  "minutes with nvcc)", flush=True)
 
 
 def init_distributed(out_dir: Path, checkpoints: list[Path], world: int) -> tuple[int, int]:
@@ -1187,19 +1476,23 @@ def open_loggers(args, out_dir: Path, rank: int, start: int):
     """(log(step, metrics), close()): metrics.jsonl always, TensorBoard and/or wandb (--report-to); rank 0.
 
     The steps after `start` (the checkpoint resumed from) are redone: their metrics.jsonl lines are
-    dropped and TensorBoard purges them; wandb continues the run of the same id (out_dir/wandb_id),
-    its charts against train/step, so a redone step is drawn again rather than rejected.
+    dropped and TensorBoard purges them; a fresh start (start 0) also redoes step 0's evaluation, so
+    nothing logged is kept. wandb continues the run of the same id (out_dir/wandb_id), its charts
+    against train/step, so a redone step is drawn again rather than rejected. TensorBoard is flushed
+    at every step, so that an early end loses no step that metrics.jsonl holds.
     """
     if rank != 0:
         return (lambda step, metrics: None), (lambda: None)
     from torch.utils.tensorboard import SummaryWriter
 
     path = out_dir / "metrics.jsonl"
-    logged = path.read_text().splitlines() if path.exists() else []
-    if start == 0 and any(json.loads(x)["step"] > 0 for x in logged):
+    logged = logged_lines(path)
+    if start == 0 and any(step > 0 for step, _ in logged):
         print(f"[grpo] {out_dir} has logged steps but no checkpoint: starting afresh over them", flush=True)
-    path.write_text("".join(x + "\n" for x in logged if json.loads(x)["step"] <= start))
-    writer = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1) if "tensorboard" in args.report_to else None
+    path.write_text("".join(line + "\n" for step, line in logged if 0 < start and step <= start))
+    # TensorBoard drops the events of every step >= purge_step written before
+    writer = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1 if start else 0) \
+        if "tensorboard" in args.report_to else None
     run = None
     if "wandb" in args.report_to:
         import wandb
@@ -1217,6 +1510,8 @@ def open_loggers(args, out_dir: Path, rank: int, start: int):
     def log(step: int, metrics: dict[str, float]) -> None:
         for k, v in metrics.items() if writer else ():
             writer.add_scalar(k, v, step)
+        if writer:
+            writer.flush()
         if run is not None:
             run.log({"train/step": step, **metrics})
         with open(path, "a") as f:
@@ -1321,6 +1616,49 @@ def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: di
     return metrics
 
 
+def resume_point(out_dir: Path, world: int) -> str:
+    """Where the same command picks the run up: its newest complete checkpoint, said in words."""
+    ckpt = next((c for c in checkpoint_dirs(out_dir / "checkpoints")[::-1] if checkpoint_problem(c, world) is None),
+                None)
+    if ckpt is None:
+        return "no checkpoint was saved yet: the same command starts the run afresh"
+    return f"the same command resumes the run from {ckpt} (step {int(ckpt.name[5:])})"
+
+
+def one_line_early_ends(train):
+    """Ctrl-C, SIGTERM (a scheduler's preemption) and a full disk end every rank at once; rank 0 says in
+    one line why, and where the run resumes from. The exit skips the interpreter's teardown (engines and
+    process groups mid-collective); every log line is on disk by then."""
+    @functools.wraps(train)
+    def main(argv: list[str] | None = None) -> None:
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        before = signal.signal(signal.SIGTERM, interrupt)
+        try:
+            return train(argv)
+        except (KeyboardInterrupt, OSError) as e:
+            if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, or the launcher's SIGTERM after it
+                signal.signal(sig, signal.SIG_IGN)
+            if isinstance(e, KeyboardInterrupt):
+                code, why = 130, "interrupted"
+            else:  # a save's own message names its directory; a log write's names none
+                said = str(e.strerror).startswith("no space left on")
+                code, why = 1, f"error: {e.strerror if said else f'no space left on {parse_args(argv).output_dir}'}"
+            if int(os.environ.get("RANK", "0")) == 0:  # after a progress bar's last, unfinished line
+                where = resume_point(Path(parse_args(argv).output_dir), int(os.environ.get("WORLD_SIZE", "1")))
+                print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(code)
+        finally:
+            signal.signal(signal.SIGTERM, before)
+
+    return main
+
+
+@one_line_early_ends
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1329,6 +1667,7 @@ def main(argv: list[str] | None = None) -> None:
         check_args(args, world)
         ds_config = deepspeed_config(args, world)
         checkpoints = check_output_dir(args, out_dir, world)
+        check_jit_cache(ds_config, int(os.environ.get("LOCAL_RANK", "0")))
     except ValueError as e:
         sys.exit(f"train_grpo.py: error: {e}")
     rank, local_rank = init_distributed(out_dir, checkpoints, world)
@@ -1397,14 +1736,21 @@ def main(argv: list[str] | None = None) -> None:
         for mb in range(args.minibatches if signal else 0):
             part = slice(mb * per_mb, (mb + 1) * per_mb)
             s = update_minibatch(engine, rollouts[part], weights[part], args, device)
-            # DeepSpeed skips the optimizer step itself when the gradient norm is not finite
-            bad = not (math.isfinite(s["grad_norm"]) and math.isfinite(s["pg_loss"]))
+            bad = s.pop("skipped") > 0  # as DeepSpeed decided: the weights did not move
             for k, v in s.items():
                 sums[k] += 0.0 if bad else v
             sums["skipped_updates"] += bad / world
             sums["updates"] += (not bad) / world
         timer["update"] = time.time() - t0
         memory = gpu_memory() if cuda else None
+        nonfinite = nonfinite_weights(engine)
+        if nonfinite:  # nothing of this update is synced, evaluated or saved: the run ends at its last checkpoint
+            log(step, {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory),
+                       "lr": lr, "train/nonfinite_weights": nonfinite})
+            close_loggers()
+            dist.barrier()
+            sys.exit(f"train_grpo.py: error: step {step}'s update made {nonfinite} weights non-finite (not saved); "
+                     f"{resume_point(out_dir, world)}" if rank == 0 else 1)
 
         # 6. weight sync
         t0 = time.time()
@@ -1421,7 +1767,7 @@ def main(argv: list[str] | None = None) -> None:
         bad_streak = bad_streak + 1 if metrics["train/skipped_updates"] else 0
         stop = bad_streak >= args.max_bad_steps
         if step % args.save_interval == 0 or step == args.steps or stop:
-            state = {"step": step, "order": order, "bad_streak": bad_streak}
+            state = {"step": step, "order": order, "bad_streak": bad_streak, "run": run_identity(vars(args))}
             save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
             if rank == 0:  # the arguments that trained these checkpoints
                 (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))

@@ -241,13 +241,47 @@ def _dedupe_arrow(ds, source: str):
     return ds.select(keep)
 
 
+ROW_EXAMPLE = '{"prompt": "What is 1+1?", "answer": "2"}'
+
+
+def _check_text(path: str) -> None:
+    """A JSON file is UTF-8, and a .jsonl one JSON object per line: the error names the line and what was
+    expected (the loader behind it names neither)."""
+    data = Path(path).read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - data.rfind(b"\n", 0, e.start)
+        raise ValueError(f"dataset {path} line {line}: byte {data[e.start]:#04x} at column {column} is not UTF-8; "
+                         "expected UTF-8 text (re-save the file as UTF-8)") from None
+    if not path.endswith(".jsonl"):
+        return
+    for i, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"dataset {path} line {i}: not JSON ({e.msg}, column {e.colno}); expected one JSON "
+                             f"object per line, e.g. {ROW_EXAMPLE}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"dataset {path} line {i}: a JSON {type(row).__name__}, not an object; expected one "
+                             f"JSON object per line, e.g. {ROW_EXAMPLE}")
+
+
 def _read_file(path: str):
     import datasets
 
     datasets.disable_progress_bars()
+    if not path.endswith((".jsonl", ".json", ".parquet")):
+        raise ValueError(f"dataset {path}: not a file format read here; expected .jsonl (one JSON object per line, "
+                         f"e.g. {ROW_EXAMPLE}), .json or .parquet")
     kind = "parquet" if path.endswith(".parquet") else "json"
     if os.path.isfile(path) and os.path.getsize(path) == 0:
         raise ValueError(f"dataset {path} is empty")
+    if kind == "json" and os.path.isfile(path):
+        _check_text(path)
     try:
         return datasets.load_dataset(kind, data_files=path, split="train")
     except Exception as e:  # datasets wraps parse errors in several exception types

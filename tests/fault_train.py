@@ -6,6 +6,8 @@ trainer itself reads no fault switch). Launched as `deepspeed tests/fault_train.
                                 files are written and before it is renamed into place
     GRPO_FAULT_SCALE_VLLM=s     after every weight sync vLLM's final norm is scaled by s, so that its
                                 logits are s times the trainer's: a rollout-trainer mismatch
+    GRPO_FAULT_INF_LR_STEP=k    the first optimizer update from step k on runs at lr = inf: an update that
+                                makes the weights non-finite from finite gradients
 """
 
 import functools
@@ -20,6 +22,7 @@ import train_grpo as T  # noqa: E402
 NAN_STEP = int(os.environ.get("GRPO_FAULT_NAN_STEP", "-1"))
 KILL_STEP = int(os.environ.get("GRPO_FAULT_KILL_IN_SAVE", "-1"))
 SCALE = float(os.environ.get("GRPO_FAULT_SCALE_VLLM", "1"))
+INF_LR_STEP = int(os.environ.get("GRPO_FAULT_INF_LR_STEP", "-1"))
 current = {"step": 0}
 
 
@@ -31,6 +34,14 @@ def rollout(llm, rows, args, step, first_index):
 def group_advantages(rewards, group_size, scale_by_std=True, eps=1e-6):
     adv = real_advantages(rewards, group_size, scale_by_std, eps)
     return adv * float("nan") if current["step"] == NAN_STEP else adv
+
+
+def update_minibatch(engine, batch, weights, args, device):
+    if 0 <= INF_LR_STEP <= current["step"] and not current.get("poisoned"):
+        current["poisoned"] = True
+        for group in engine.optimizer.param_groups:  # the schedule sets it back after this update
+            group["lr"] = float("inf")
+    return real_update(engine, batch, weights, args, device)
 
 
 def save_checkpoint(engine, tokenizer, root, step, *rest):
@@ -64,7 +75,9 @@ def sync_weights_to_vllm(engine, llm):
 
 real_rollout, real_advantages, real_save, real_sync = T.rollout, T.group_advantages, T.save_checkpoint, \
     T.sync_weights_to_vllm
-T.rollout, T.group_advantages, T.save_checkpoint = rollout, group_advantages, save_checkpoint
+real_update = T.update_minibatch
+T.rollout, T.group_advantages, T.save_checkpoint, T.update_minibatch = rollout, group_advantages, save_checkpoint, \
+    update_minibatch
 if SCALE != 1:
     T.sync_weights_to_vllm = sync_weights_to_vllm
 

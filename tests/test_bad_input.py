@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import BENCHMARKS, ROOT, cpu_env
 
 import train_grpo
@@ -47,7 +48,16 @@ def files(tmp_path_factory):
 RANGES = [
     (["--minibatches", "0"], "--minibatches must be at least 1 (got 0)"),
     (["--minibatches", "-1"], "--minibatches must be at least 1 (got -1)"),
-    (["--lr=-1e-4"], "--lr must be > 0 (got -0.0001)"),
+    (["--lr=-1e-4"], "--lr must be in (0, 1] (got -0.0001)"),
+    (["--lr", "1e300"], "--lr must be in (0, 1] (got 1e+300)"),  # finite, and 40 lines after step 0's evaluation
+    (["--lr", "inf"], "--lr must be a finite number (got inf)"),
+    (["--kl-coef", "nan"], "--kl-coef must be a finite number (got nan)"),  # NaN passed `>= 0`: no KL, no word
+    (["--clip-eps-high", "nan"], "--clip-eps-high must be a finite number"),
+    (["--temperature", "inf"], "--temperature must be a finite number"),
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0"),
+    (["--seed", "-1"], "--seed must be in [0, 2147483647] (vLLM's range) (got -1)"),
+    (["--seed", str(2**32)], "--seed must be in [0, 2147483647]"),
+    (["--keep-last", "0"], "--keep-last must be at least 1 (got 0)"),
     (["--save-interval", "0"], "--save-interval must be at least 1"),
     (["--eval-interval", "0"], "--eval-interval must be at least 1"),
     (["--eval-limit", "0"], "--eval-limit must be at least 1"),
@@ -88,6 +98,40 @@ def test_trainer_flag_ranges(flags, message):
         train_grpo.check_args(train_grpo.parse_args(flags), world=1)
 
 
+def float_flags() -> list[str]:
+    """Every float-typed flag of the trainer's parser, whoever added it."""
+    import argparse
+    from unittest import mock
+
+    parsers, parse = [], argparse.ArgumentParser.parse_args
+
+    def spy(self, *a, **kw):
+        parsers.append(self)
+        return parse(self, *a, **kw)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", spy):
+        train_grpo.parse_args([])
+    return [a.option_strings[0] for a in parsers[-1]._actions if a.type is float]
+
+
+def test_every_float_flag_must_be_finite():
+    flags = float_flags()
+    assert {"--lr", "--weight-decay", "--temperature", "--rollout-correction-cap", "--peak-tflops"} <= set(flags)
+    for flag in flags:
+        for value in ("nan", "inf", "-inf"):
+            with pytest.raises(ValueError, match=re.escape(f"{flag} must be a finite number")):
+                train_grpo.check_args(train_grpo.parse_args([f"{flag}={value}"]), world=1)
+
+
+def test_zero_stages_other_than_3_are_refused_at_the_argument_check(tmp_path):
+    for stage in (0, 1, 2):
+        cfg = json.loads((ROOT / "ds_config.json").read_text())
+        cfg["zero_optimization"]["stage"] = stage
+        (tmp_path / "ds.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=f"ZeRO stage {stage}; this trainer runs ZeRO-3 only"):
+            train_grpo.deepspeed_config(train_grpo.parse_args(["--ds-config", str(tmp_path / "ds.json")]), 1)
+
+
 # through the command line: the message is one line, and nothing is written
 TRAINER = [
     (["--ds-config", "{d}/list.json"], "must hold a JSON object"),
@@ -120,6 +164,8 @@ EVALUATE = [
     (["--model", "demo", "--chunk", "0"], "--chunk must be at least 1"),
     (["--model", "demo", "--limit", "0"], "--limit must be at least 1 (got 0); omit it to evaluate every problem"),
     (["--model", "demo", "--top-p", "0"], "--top-p in (0, 1]"),
+    (["--model", "demo", "--temperature", "nan"], "--temperature must be a finite number (got nan)"),
+    (["--model", "demo", "--seed", "-1"], "--seed must be in [0, 2147483647]"),
 ]
 
 
@@ -141,7 +187,7 @@ def test_evaluate_bad_files(files):
 def test_ablation_checks_every_argument_before_the_first_run(tmp_path):
     out = ["--out", str(tmp_path / "abl")]
     one_line_error(run("ablation.py", "--nproc", "0", *out), "--nproc must be at least 1")
-    one_line_error(run("ablation.py", *out, "--", "--lr", "-1"), "--lr must be > 0")
+    one_line_error(run("ablation.py", *out, "--", "--lr", "-1"), "--lr must be in (0, 1]")
     one_line_error(run("ablation.py", "--eval-args", "--n 0", *out), "--n must be at least 1")
     assert not (tmp_path / "abl").exists()
 
@@ -203,10 +249,12 @@ def checkpointed_run(root, steps: int = 3, world: int = 1):
     (root / "args.json").parent.mkdir(parents=True, exist_ok=True)
     (root / "args.json").write_text(json.dumps(vars(args)))
     (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, steps + 1)))
+    identity = train_grpo.run_identity(vars(args))
     for s in range(1, steps + 1):
         ck = root / "checkpoints" / f"step_{s:06d}" / "state"
         ck.mkdir(parents=True)
-        (ck.parent / "trainer_state.json").write_text(json.dumps({"step": s, "order": [], "bad_streak": 0}))
+        (ck.parent / "trainer_state.json").write_text(json.dumps({"step": s, "order": [], "bad_streak": 0,
+                                                                   "run": identity}))
         for r in range(world):
             torch.save({"r": r}, ck / f"rng_rank{r}.pt")
             torch.save({"o": r}, ck / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
@@ -242,13 +290,306 @@ def test_a_run_with_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path)
 def test_finished_run_relaunched_with_resume_and_other_arguments_keeps_its_record(tmp_path):
     checkpointed_run(tmp_path / "run", steps=2)
     before = (tmp_path / "run" / "args.json").read_bytes()
-    # a trailing slash is the same run; --resume with another rule trains nothing, so nothing is rewritten
+    # a trailing slash is the same run; --resume with another lr trains nothing, so nothing is rewritten
     res = run("train_grpo.py", "--output-dir", f"{tmp_path / 'run'}/", "--steps", "2")
     assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr[-2000:]
-    res = run("train_grpo.py", "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume", "--agg", "token")
+    res = run("train_grpo.py", "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume", "--lr", "1e-3")
     assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr[-2000:]
     assert (tmp_path / "run" / "args.json").read_bytes() == before
     moved = tmp_path / "moved"
     os.rename(tmp_path / "run", moved)  # a moved run directory is the same run
     res = run("train_grpo.py", "--output-dir", str(moved), "--steps", "2")
     assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# A run owns its directory: one writer, checkpoints that know their run, a log without repeated steps
+
+
+def test_a_held_output_dir_refuses_a_second_launch_and_the_lock_dies_with_its_holder(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, pathlib, train_grpo; train_grpo.lock_output_dir(pathlib.Path(sys.argv[1]));"
+         " print('locked', flush=True); sys.stdin.read()", str(out)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=cpu_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        args = train_grpo.parse_args(["--output-dir", str(out)])
+        with pytest.raises(ValueError, match=re.escape(f"is in use by another launch (pid {holder.pid} on "
+                                                       f"{socket.gethostname()}, since ")):
+            train_grpo.check_output_dir(args, out, 1)
+        monkeypatch.setenv("RANK", "1")  # the run's other ranks (and nodes) share the directory: one lock per run
+        assert train_grpo.check_output_dir(args, out, 2) == []
+        monkeypatch.setenv("RANK", "0")
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs, and the kernel drops the lock with the process
+        holder.wait()
+    assert train_grpo.check_output_dir(args, out, 1) == []
+    assert (out / "run.lock").read_text().startswith(f"pid {os.getpid()} on ")
+
+
+def test_checkpoints_carry_the_run_identity(tmp_path):
+    def check(run, *flags):
+        return train_grpo.check_output_dir(train_grpo.parse_args(["--output-dir", str(run), *flags]), run, 1)
+
+    run = tmp_path / "run"
+    checkpointed_run(run, steps=2)
+    (run / "args.json").unlink()  # the checkpoint itself says which run it belongs to
+    for resume in ([], ["--resume"]):
+        with pytest.raises(ValueError, match=re.escape(f"{run}/checkpoints/step_000002 holds a run with other "
+                                                       "arguments (--agg balanced -> token), which no resume changes")):
+            check(run, "--agg", "token", *resume)
+    with pytest.raises(ValueError, match=re.escape("(--lr 0.0002 -> 0.001); use another --output-dir, or --resume")):
+        check(run, "--lr", "1e-3")
+    assert len(check(run, "--lr", "1e-3", "--resume")) == 2  # --resume may change the optimisation knobs
+
+    # a token run whose checkpoints/ were replaced by a balanced run's
+    other = tmp_path / "token"
+    checkpointed_run(other, steps=1)
+    (other / "args.json").write_text(json.dumps(vars(train_grpo.parse_args(["--agg", "token",
+                                                                           "--output-dir", str(other)]))))
+    shutil.rmtree(other / "checkpoints")
+    shutil.copytree(run / "checkpoints", other / "checkpoints")
+    with pytest.raises(ValueError, match=re.escape("step_000002 holds a run with other arguments (--agg balanced -> "
+                                                   "token)")):
+        check(other, "--agg", "token")
+
+    # the DeepSpeed config by its contents: another clone's path to the same file is the same run
+    same = tmp_path / "same.json"
+    same.write_text((ROOT / "ds_config.json").read_text())
+    assert len(check(run, "--ds-config", str(same))) == 2
+    changed = json.loads(same.read_text())
+    changed["optimizer"]["params"]["eps"] = 1e-6
+    same.write_text(json.dumps(changed))
+    with pytest.raises(ValueError, match=re.escape("(--ds-config (its contents) -> (its contents))")):
+        check(run, "--ds-config", str(same))
+
+    # a flag added to the trainer after the run was written counts as its default
+    state = run / "checkpoints" / "step_000002" / "trainer_state.json"
+    record = json.loads(state.read_text())
+    del record["run"]["mask_truncated"]
+    state.write_text(json.dumps(record))
+    assert len(check(run)) == 2
+    with pytest.raises(ValueError, match=re.escape("(--mask-truncated False -> True)")):
+        check(run, "--mask-truncated")
+
+
+def test_resume_with_nothing_to_resume_says_so(tmp_path):
+    for out in (tmp_path / "empty", tmp_path / "mistyped"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        with pytest.raises(SystemExit) as e:
+            train_grpo.main(["--output-dir", str(out), "--resume"])
+        assert str(e.value.code) == (f"train_grpo.py: error: --resume: {out} holds no checkpoint to resume from "
+                                     "(no checkpoints/step_N); drop --resume to start a run there, or check the "
+                                     "directory")
+
+
+def test_only_the_trainers_own_names_are_checkpoints(tmp_path, demo_dir):
+    import evaluate
+
+    run = tmp_path / "run"
+    args = checkpointed_run(run, steps=3)
+    ckpts = run / "checkpoints"
+    shutil.copytree(ckpts / "step_000001", ckpts / "step_best")  # a user's copy: once "resumed" over steps 2-3
+    shutil.copytree(ckpts / "step_000002", ckpts / "step_000002.bak")  # a backup: once pruned by --keep-last
+    (ckpts / "step_000004.tmp").mkdir()  # a save in progress
+    assert train_grpo.check_output_dir(args, run, 1) == [ckpts / f"step_{s:06d}" for s in (3, 2, 1)]
+    assert [c.name for c in train_grpo.checkpoint_dirs(ckpts)] == ["step_000001", "step_000002", "step_000003"]
+    assert [s for s, _ in evaluate.run_checkpoints(str(run))] == [0, 1, 2, 3]
+    assert "step_000003 (step 3)" in train_grpo.resume_point(run, 1)
+
+
+def test_damaged_records_are_named_before_any_engine(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = checkpointed_run(run, steps=3)
+    state = run / "checkpoints" / "step_000003" / "trainer_state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "step": "one"}))
+    assert train_grpo.check_output_dir(args, run, 1)[0].name == "step_000002"
+    assert "step_000003 (trainer_state.json: step and bad_streak must be counts (got 'one', 0))" in \
+        capsys.readouterr().out
+
+    log = run / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": 4, "reward/me')  # cut by a kill while it was written: dropped
+    assert [s for s, _ in train_grpo.logged_lines(log)] == [1, 2, 3]
+    log.write_text('{"step": 1}\n{"step": "one"}\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{log} line 2: no integer 'step'; expected one JSON object")):
+        train_grpo.check_output_dir(args, run, 1)
+    log.write_bytes(b'{"step": 1}\n{"step": 2, "x": "\xff"}\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{log} line 2: 'utf-8' codec can't decode")):
+        train_grpo.check_output_dir(args, run, 1)
+
+
+def test_a_relaunch_never_logs_a_step_twice(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    out = tmp_path / "run"
+    args = train_grpo.parse_args(["--output-dir", str(out)])
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(3)))
+    with SummaryWriter(str(out / "tb")) as w:  # a launch that logged steps 0-2, then ended before any checkpoint
+        for s in range(3):
+            w.add_scalar("x", s, s)
+
+    def launch(start: int, steps: range) -> None:
+        log, close = train_grpo.open_loggers(args, out, 0, start)
+        for s in steps:
+            log(s, {"x": 10 * s + start})
+        close()
+
+    def logged() -> tuple[list, list]:
+        acc = EventAccumulator(str(out / "tb"))
+        acc.Reload()
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(m["step"], m["x"]) for m in lines], [(e.step, e.value) for e in acc.Scalars("x")]
+
+    launch(0, range(2))  # starts afresh: step 0's evaluation is logged again, once
+    assert logged() == ([(0, 0), (1, 10)], [(0, 0.0), (1, 10.0)])
+    launch(1, range(2, 4))  # resumes from a step-1 checkpoint
+    assert logged() == ([(0, 0), (1, 10), (2, 21), (3, 31)], [(0, 0.0), (1, 10.0), (2, 21.0), (3, 31.0)])
+
+
+# ----------------------------------------------------------------------------------------------------
+# DeepSpeed's JIT cache: one folder per install, no stale build lock, writable
+
+
+def test_jit_cache_is_per_install(monkeypatch):
+    import importlib.util
+    from types import SimpleNamespace
+
+    here = train_grpo.jit_extensions_dir()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == here  # set at import, unless the user set it
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
+        origin="/elsewhere/.venv/deepspeed/__init__.py") if name == "deepspeed" else real(name))
+    other = train_grpo.jit_extensions_dir()
+    assert other != here and os.path.dirname(other) == os.path.dirname(here)
+
+
+def test_a_stale_jit_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeypatch, capsys):
+    import threading
+
+    cfg = train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)
+    assert train_grpo.jit_ops(cfg) == ["deepspeed_shm_comm"]  # on the CPU: its collectives
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")  # left by a launch killed while it built: torch would wait for it forever
+    assert train_grpo.on_local_filesystem(lock)
+    train_grpo.check_jit_cache(cfg, 0)
+    out = capsys.readouterr().out
+    assert not lock.exists() and f"[grpo] removed {lock}: a JIT build lock whose builder is gone" in out
+    assert "[grpo] building DeepSpeed's deepspeed_shm_comm op into" in out  # what the next minute is
+
+    lock.write_text("")
+    builder = subprocess.Popen([sys.executable, "-c", "import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                                "print('open', flush=True); sys.stdin.read()", str(lock)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline().strip() == "open"
+        assert train_grpo.lock_holders(lock) == [builder.pid]
+        train_grpo.check_jit_cache(cfg, 0)  # a build running on this machine: left to torch, which waits for it
+        assert lock.exists()
+    finally:
+        builder.kill()
+        builder.wait()
+
+    # a cache shared with other machines: waited for, then named with the command that clears it
+    monkeypatch.setattr(train_grpo, "on_local_filesystem", lambda path: False)
+    with pytest.raises(ValueError, match=re.escape(f"held by no process on this machine for 0 s, left by a launch "
+                                                   f"killed while it built; if no other node builds into this "
+                                                   f"cache, rm {lock}")):
+        train_grpo.clear_stale_build_lock(lock, speak=True, wait_s=0.3)
+    threading.Timer(0.5, lock.unlink).start()  # another node's build ends
+    train_grpo.clear_stale_build_lock(lock, speak=True, wait_s=30)
+    assert "another node building into a shared cache?" in capsys.readouterr().out
+
+
+def test_an_unwritable_jit_cache_is_one_line(tmp_path, monkeypatch, files):
+    cfg = train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(files / "a_file" / "ext"))
+    with pytest.raises(ValueError, match=re.escape(f"the JIT extension cache {files}/a_file/ext is not writable")):
+        train_grpo.check_jit_cache(cfg, 0)
+    # on CUDA nothing is JIT-built by default (torch's fused AdamW); optimizer offload builds CPU Adam
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert train_grpo.jit_ops(train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)) == []
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert train_grpo.jit_ops(cfg) == ["cpu_adam"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Datasets and the other scripts
+
+
+DATASET_LINES = [
+    (b'{"prompt": "1+1?", "answer": "2"}\n{"prompt": "caf\xe9?", "answer": "3"}\n', "rows.jsonl",
+     "line 2: byte 0xe9 at column 16 is not UTF-8; expected UTF-8 text"),
+    (b'{"prompt": "1+1?", "answer": "2"}\n{"prompt": "x", "answer": \n', "rows.jsonl",
+     "line 2: not JSON (Expecting value, column 27); expected one JSON object per line, e.g. {\"prompt\""),
+    (b'{"prompt": "1+1?", "answer": "2"}\n[1, 2]\n', "rows.jsonl", "line 2: a JSON list, not an object"),
+    (b"prompt,answer\n1+1?,2\n", "rows.csv", "not a file format read here; expected .jsonl (one JSON object per line"),
+]
+
+
+@pytest.mark.parametrize("data,name,message", DATASET_LINES, ids=[m.split(";")[0] for _, _, m in DATASET_LINES])
+def test_a_bad_dataset_file_names_its_line_and_what_is_expected(data, name, message, tmp_path):
+    from data.prepare import load_rows
+
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=re.escape(f"dataset {tmp_path / name}: {message}" if "format" in message
+                                                   else f"dataset {tmp_path / name} {message}")):
+        load_rows(str(tmp_path / name))
+
+
+def test_length_drift_never_prints_an_empty_result(tmp_path, monkeypatch):
+    import length_drift
+
+    run = tmp_path / "abl" / "lab-balanced-s1"
+    (run / "checkpoints" / "step_000010").mkdir(parents=True)
+    (run / "args.json").write_text(json.dumps({"agg": "balanced"}))
+    for target, message in ((tmp_path / "nowhere", "nowhere: no such directory"),
+                            (tmp_path, "no training runs in it"),
+                            (tmp_path / "abl", "step_000010: no cached samples (run evaluate.py on it")):
+        monkeypatch.setattr(sys, "argv", ["length_drift.py", str(target)])
+        with pytest.raises(SystemExit) as e:
+            length_drift.main()
+        assert str(e.value.code).startswith("length_drift.py: error: ") and message in str(e.value.code)
+
+
+BENCH = [(["--repeats", "0"], "--repeats must be at least 1"),
+         (["--group-size", "0"], "--group-size must be at least 2"),  # once after 150 s of probes and engines
+         (["--sync-hidden", "100"], "multiples of 64"), (["--model", "nowhere"], "--model nowhere: no such directory"),
+         (["--out", "/nonexistent/b.json"], "must be a file in an existing directory")]
+
+
+@pytest.mark.parametrize("flags,message", BENCH, ids=[" ".join(f) for f, _ in BENCH])
+def test_bench_step_checks_its_arguments_before_any_engine(flags, message, monkeypatch, capsys):
+    import bench_step
+
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", *flags])
+    with pytest.raises(SystemExit):
+        bench_step.parse_args()
+    err = capsys.readouterr().err
+    assert message in err.splitlines()[-1] and err.splitlines()[-1].startswith("bench_step.py: error: ")
+
+
+def test_ablation_refuses_a_file_as_its_output_and_seeds_out_of_range(files, monkeypatch, capsys):
+    import ablation
+
+    for flags, message in ((["--out", str(files / "a_file")], "is a file; give a directory"),
+                           (["--out", str(files / "abl"), "--seeds", "1", "-1"], "--seed must be in [0, 2147483647]")):
+        monkeypatch.setattr(sys, "argv", ["ablation.py", *flags])
+        with pytest.raises(SystemExit) as e:
+            ablation.main()
+        assert message in capsys.readouterr().err + str(e.value.code)
+    assert not (files / "abl").exists()
+
+
+def test_evaluate_cache_key_holds_every_flag_that_changes_a_score():
+    import evaluate
+
+    base = evaluate.parse_args(["--model", "demo"])
+    cut = evaluate.parse_args(["--model", "demo", "--max-model-len", "1"])  # every prompt too long: zeros
+    assert evaluate.settings_key(cut)[0] != evaluate.settings_key(base)[0]
+    assert "max_model_len" not in evaluate.settings_key(base)[1]  # caches made before it counted stay valid

@@ -4,7 +4,9 @@ degenerate batches, and one-line errors before any expensive work."""
 import json
 import os
 import random
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -111,11 +113,15 @@ def test_keep_last_prunes_states_and_resume_skips_a_damaged_checkpoint(tmp_path,
     assert not (ckpts / "step_000001" / "state").exists() and (ckpts / "step_000001" / "model.safetensors").exists()
 
     # The newest checkpoint damaged (a cut optimizer shard of rank 1) and `latest` emptied: the same
-    # command resumes from the one before, names what it skipped, and redoes step 3 only.
+    # command resumes from the one before, names what it skipped, and redoes step 3 only. The user's own
+    # copies beside the checkpoints are neither resumed from (step_best sorts after step_000003) nor pruned
+    # (step_000002.bak sorts between step_000002 and step_000003).
     before = metrics(out)
     shard = next((ckpts / "step_000003" / "state").glob("*rank_1_*optim_states.pt"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     (ckpts / "latest").write_text("")
+    shutil.copytree(ckpts / "step_000002", ckpts / "step_best")
+    shutil.copytree(ckpts / "step_000002", ckpts / "step_000002.bak")
     res = train(out, "--save-interval", "1", "--steps", "3", "--keep-last", "2", port=29637)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"skipping incomplete checkpoint(s): step_000003 (state/{shard.name} is damaged" in res.stdout
@@ -123,6 +129,7 @@ def test_keep_last_prunes_states_and_resume_skips_a_damaged_checkpoint(tmp_path,
     after = metrics(out)
     assert sorted(after) == sorted(before) == [0, 1, 2, 3] and all(after[s] == before[s] for s in (0, 1, 2))
     assert after[3] == pytest.approx(before[3], rel=1e-6, abs=1e-9)  # step 3 redone exactly
+    assert all((ckpts / name / "state").is_dir() for name in ("step_000002", "step_000003", "step_000002.bak"))
 
 
 @pytest.mark.slow
@@ -170,8 +177,91 @@ def test_degenerate_batches(tmp_path, demo_dir):
     assert dropped > 0
 
 
-def run_cli(*flags, env=None):
-    return subprocess.run([sys.executable, "train_grpo.py", *flags], cwd=ROOT, capture_output=True, text=True,
+ONE_RANK = ["--steps", "40", "--save-interval", "1", "--prompts-per-step", "8", "--group-size", "4", "--minibatches",
+            "2", "--micro-batch-size", "4", "--eval-limit", "4", "--eval-interval", "100"]
+
+
+def lines_of(out) -> tuple[list[int], list[int]]:
+    """The steps of metrics.jsonl's lines and of TensorBoard's reward/mean, as a reader sees them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return steps, [e.step for e in acc.Scalars("reward/mean")]
+
+
+@pytest.mark.slow
+def test_one_writer_and_every_early_end_in_one_line(tmp_path, demo_dir):
+    """A second launch into a running run's directory, Ctrl-C, and an update that makes the weights
+    non-finite (plain `python train_grpo.py`, as a user runs it)."""
+    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    first = subprocess.Popen([sys.executable, "train_grpo.py", "--output-dir", str(out), *ONE_RANK], cwd=ROOT,
+                             env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 400
+    while time.time() < deadline and first.poll() is None and not (ckpts / "step_000002").exists():
+        time.sleep(0.2)
+    second = run_cli("--output-dir", str(out), *ONE_RANK, env=cpu_env())
+    assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert second.stderr.strip().splitlines() == [
+        f"train_grpo.py: error: --output-dir {out} is in use by another launch (pid {first.pid} on "
+        f"{socket.gethostname()}, since {second.stderr.split(', since ')[1].split(')')[0]}); wait for it to end, "
+        "or use another --output-dir"]
+    assert first.poll() is None  # untouched, still training
+
+    first.send_signal(signal.SIGINT)  # Ctrl-C
+    _, err = first.communicate(timeout=120)
+    newest = max(int(p.name[5:]) for p in ckpts.iterdir() if p.name[5:].isdigit())
+    assert first.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert [x for x in err.splitlines() if x.startswith("train_grpo.py")] == [
+        f"train_grpo.py: interrupted; the same command resumes the run from {ckpts}/step_{newest:06d} (step {newest})"]
+
+    # the same command again, with the first update from step newest+2 on at lr = inf: DeepSpeed applies it
+    # (the gradients are finite), the second mini-batch's NaN gradient it skips; nothing of the step is saved
+    res = run_cli("--output-dir", str(out), *ONE_RANK, env=cpu_env(GRPO_FAULT_INF_LR_STEP=str(newest + 2)),
+                  script="tests/fault_train.py")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"resuming from {ckpts}/step_{newest:06d} (step {newest})" in res.stdout
+    m = metrics(out)
+    bad = max(m)
+    assert bad >= newest + 2
+    assert m[bad]["train/nonfinite_weights"] > 0 and m[bad]["train/skipped_updates"] == 1
+    assert [x for x in res.stderr.splitlines() if "error:" in x] == [
+        f"train_grpo.py: error: step {bad}'s update made {m[bad]['train/nonfinite_weights']} weights non-finite "
+        f"(not saved); the same command resumes the run from {ckpts}/step_{bad - 1:06d} (step {bad - 1})"]
+    assert not (ckpts / f"step_{bad:06d}").exists() and (ckpts / "latest").read_text() == f"step_{bad - 1:06d}"
+    saved = load_file(ckpts / f"step_{bad - 1:06d}" / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in saved.values())
+    # one line per step in metrics.jsonl and one point per step in TensorBoard, over three launches
+    assert lines_of(out) == (list(range(bad + 1)), list(range(1, bad + 1)))
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_in_one_line_and_keeps_the_newest_checkpoint(tmp_path, demo_dir):
+    """The run directory on a 14 MiB filesystem (a demo checkpoint takes 9): step 2's save finds it full."""
+    disk, copy = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir()
+    mount = 'mount -t tmpfs -o size=14m tmpfs "$0" && { "$@"; rc=$?; cp -a "$0/run" "$COPY"; exit $rc; }'
+    if subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(disk), "true"], env={**os.environ, "COPY": "/"},
+                      capture_output=True).returncode != 0:
+        pytest.skip("no user and mount namespace here (unshare -rm) to make a small filesystem in")
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(disk), sys.executable, "train_grpo.py",
+                          "--output-dir", str(disk / "run"), *ONE_RANK, "--steps", "3"], cwd=ROOT,
+                         env=cpu_env(COPY=str(copy)), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    ckpts = disk / "run" / "checkpoints"
+    assert [x for x in res.stderr.splitlines() if "error:" in x] == [
+        f"train_grpo.py: error: no space left on {ckpts}: step_000002.tmp is incomplete (remove it, or the next "
+        f"save at this step does); the same command resumes the run from {ckpts}/step_000001 (step 1)"]
+    import train_grpo
+
+    assert (copy / "checkpoints" / "latest").read_text() == "step_000001"
+    assert train_grpo.checkpoint_problem(copy / "checkpoints" / "step_000001", 1) is None
+    assert load_file(copy / "checkpoints" / "step_000001" / "model.safetensors")
+
+
+def run_cli(*flags, env=None, script="train_grpo.py"):
+    return subprocess.run([sys.executable, script, *flags], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
 
 

@@ -70,7 +70,8 @@ def test_two_nodes_resume_from_their_checkpoint_and_only_rank_0_logs(runs):
     assert resumed[1].stdout.strip() == ""  # the second node's rank prints nothing
     assert [m["step"] for m in metrics(multi)] == [1, 2, 3]  # one line a step: one writer
     assert sorted(p.name for p in multi.iterdir()) == ["args.json", "checkpoints", "eval", "metrics.jsonl",
-                                                       "probe_rank0.json", "probe_rank1.json", "tb"]
+                                                       "probe_rank0.json", "probe_rank1.json", "run.lock", "tb"]
+    assert (multi / "run.lock").read_text().startswith("pid ")  # one lock per run: global rank 0's
 
 
 def test_two_nodes_equal_one_node_of_two_ranks(runs):
