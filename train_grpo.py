@@ -1679,6 +1679,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"[grpo] {out_dir} already holds all {args.steps} steps ({checkpoints[0].name}): nothing to do "
                   "(raise --steps to train on, or pick another --output-dir)", flush=True)
+        dist.destroy_process_group()  # no engine holds it: left to the interpreter's exit, gloo can abort there
         return
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
