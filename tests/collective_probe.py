@@ -73,8 +73,20 @@ def record_engines() -> None:
     and resume: the generators' digests around the build."""
     import train_grpo
 
-    make, build, resume = train_grpo.make_vllm, train_grpo.build_engines, train_grpo.resume
+    make, build, resume, load_data = (train_grpo.make_vllm, train_grpo.build_engines, train_grpo.resume,
+                                      train_grpo.load_data)
     digests = {}
+
+    def load_and_draw(*args, **kwargs):
+        import random
+
+        import numpy as np
+
+        # a trainer that drew from its generators before the build: vLLM's reseed (to the very seed the trainer
+        # seeds with) then shows, and so would a missing restore
+        data = load_data(*args, **kwargs)
+        random.random(), np.random.random(), torch.rand(1)
+        return data
 
     def build_and_record(*args, **kwargs):
         digests["rng_at_build"] = rng_digest()
@@ -101,6 +113,7 @@ def record_engines() -> None:
 
     train_grpo.make_vllm = make_and_record
     train_grpo.build_engines, train_grpo.resume = build_and_record, record_and_resume
+    train_grpo.load_data = load_and_draw
 
 
 if __name__ == "__main__":
