@@ -120,3 +120,13 @@ def test_update_benchmark_prints_mfu_and_the_forward_only_batch_cuts_gathers(tmp
     # every pass gathers every parameter (release forced, as at 7B): 4x fewer passes, 4x less gathered
     assert after["gathered_x_params"] == pytest.approx(before["gathered_x_params"] / 4, rel=0.01)
     assert after["gathered_x_params"] >= 1  # one pass, a full gather
+
+
+def test_engine_seeding_leaves_requests_unseeded():
+    from train_grpo import parse_args, sampling_params, sampling_seed
+
+    assert parse_args([]).rollout_seed == "request"
+    assert [p.seed for p in sampling_params(4, 1.0, 1.0, 8, None, 3, [0, 5])] == [None, None]  # --rollout-seed engine
+    seeded = [sampling_seed(7, 3, i, 4) for i in (0, 5)]
+    assert [p.seed for p in sampling_params(4, 1.0, 1.0, 8, 7, 3, [0, 5])] == seeded
+    assert parse_args(["--micro-batch-size", "3"]).logprob_batch_size == 12  # the forward-only default: 4 x
