@@ -3,6 +3,8 @@
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 bench_step.py      # CPU: the tiny demo model
     deepspeed --num_gpus 1 bench_step.py --model Qwen/Qwen2.5-0.5B-Instruct --template boxed \
         --dataset math500 --max-response-len 1024                 # a GPU machine
+    python -m deepspeed.launcher.runner --num_gpus 8 bench_step.py --update-only --shape qwen2.5-7b
+                                                                  # the update alone, no vLLM, no hub
 
 On the same work, in one run:
   rollout   the trainer's rollout (train_grpo.generate, per-prompt seeded sampling) vs a bare
@@ -24,12 +26,21 @@ On the same work, in one run:
             with parameter release forced as when a model does not fit live (7B), per chunk
             size, in multiples of the parameter count.
 Ratios are printed last; all numbers go to --out as JSON. This is a benchmark, not a test.
+
+--update-only: the ZeRO-3 update alone (bf16 on CUDA, torch's fused AdamW, gradient checkpointing,
+the trainer's update_minibatch) on a random-weight model of a real shape (SHAPES), with synthetic
+responses: tokens/s, model TFLOP/s and MFU per device, the update's peak memory; then the
+forward-only log-prob pass (fill_logprobs) at --micro-batch-size and at --logprob-batch-size:
+seconds and what ZeRO-3 all-gathers, in multiples of the parameter count. Needs neither vLLM nor
+a dataset; on the CPU, MFU needs --peak-tflops.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -46,6 +57,27 @@ from data.prepare import is_hub_id
 ROOT = Path(__file__).resolve().parent
 _KEEP: list = []
 TARGETS = {"rollout": 1.05, "update": 1.15, "sync_share": 0.05, "memory": 0.25, "gather_chunk64": 4.0}
+# Real models' shapes (the architecture fields of their config.json) for --update-only, with random weights.
+# Qwen2.5-Math-7B, the paper's policy, has Qwen2.5-7B's (it differs in context length and rope theta only).
+SHAPES = {
+    "tiny": dict(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-3b": dict(vocab_size=151_936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(vocab_size=152_064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+}
+# bytes per parameter a rank's ZeRO-3 states hold over the world, bf16 with fp32 accumulation: bf16 weights
+# (2), fp32 master weights (4), Adam's two moments (8), fp32 gradient partition (4)
+STATE_BYTES = 18
+# ZeRO-3 settings under which every parameter is released after use and gathered again, as for a model larger
+# than stage3_max_reuse_distance (a 7B): no reuse window, no live parameters kept, no prefetch, none persistent
+RELEASE = {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1000, "stage3_prefetch_bucket_size": 0,
+           "stage3_param_persistence_threshold": 0}
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--template", default="plain")
     p.add_argument("--prompts-per-rank", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default 64; --update-only: the trainer's, 4")
     p.add_argument("--max-prompt-len", type=int, default=64)
     p.add_argument("--max-response-len", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3, help="best of N for each timing")
@@ -69,7 +101,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer-steps", type=int, default=6, help="TRL steps timed (the first warms up)")
     p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--logprob-chunk", type=int, default=T.parse_args([]).logprob_chunk, help="the trainer's default")
+    p.add_argument("--update-only", action="store_true", help="the ZeRO-3 update alone on a --shape (no vLLM)")
+    p.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES), help="--update-only: the model's shape")
+    p.add_argument("--update-responses", type=int, default=32, help="--update-only: responses per rank per update")
+    p.add_argument("--prompt-len", type=int, default=512, help="--update-only: prompt tokens of every response")
+    p.add_argument("--response-len", type=int, default=1536,
+                   help="--update-only: response tokens, drawn uniformly from [len/2, len]")
+    p.add_argument("--logprob-batch-size", type=int, default=None,
+                   help="--update-only: the forward-only batch (default: the trainer's, 4 x --micro-batch-size)")
+    p.add_argument("--force-release", action="store_true",
+                   help="--update-only: ZeRO-3 releases every parameter after use, as it does for models above "
+                        "stage3_max_reuse_distance (1e9 elements: 1.5B and up)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU (CUDA: default the table)")
     args = p.parse_args()
+    if args.micro_batch_size is None:  # the trainer's default outside the offline tasks
+        args.micro_batch_size = T.parse_args(["--model", "Qwen/Qwen2.5-Math-7B"]).micro_batch_size \
+            if args.update_only else 64
+    if args.logprob_batch_size is None:
+        args.logprob_batch_size = T.parse_args(["--micro-batch-size", str(args.micro_batch_size)]).logprob_batch_size
     try:
         check_args(args)
     except ValueError as e:
@@ -78,7 +127,7 @@ def parse_args() -> argparse.Namespace:
     args.temperature, args.top_p = 1.0, 1.0
     args.policy_loss, args.clip_eps_low, args.clip_eps_high, args.kl_coef = "ppo", 0.2, 0.28, 0.0
     args.sapo_tau_pos, args.sapo_tau_neg = None, None
-    args.rollout_correction, args.rollout_correction_cap, args.peak_tflops = "none", 2.0, None
+    args.rollout_correction, args.rollout_correction_cap = "none", 2.0
     args.prompts_per_step, args.minibatches, args.lr, args.weight_decay = 0, 1, 1e-6, 0.0
     args.lr_warmup_steps, args.ds_config, args.seed = 0, str(ROOT / "ds_config.json"), 0
     args.vllm_gpu_memory, args.reward_workers = 0.3, 4
@@ -88,7 +137,7 @@ def parse_args() -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     """Every setting that cannot run, in one line, before any engine, probe or timing starts."""
     for k in ("prompts_per_rank", "micro_batch_size", "max_prompt_len", "max_response_len", "repeats", "reward_n",
-              "logprob_chunk"):
+              "logprob_chunk", "logprob_batch_size"):
         if getattr(args, k) < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
     if args.group_size < 2:
@@ -241,9 +290,11 @@ def peer_row(args, our_step_s: float) -> dict | None:
 # ZeRO-3 all-gather volume of the log-prob path
 
 
-def gather_volume(chunks: list[int], world: int) -> dict:
+@contextlib.contextmanager
+def count_gathers():
+    """Yields a one-element list that counts the elements ZeRO-3 all-gathers inside the block."""
     import deepspeed
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import deepspeed.comm.comm as ds_comm  # ZeRO-3 gathers through deepspeed.comm (both names are bound)
 
     gathered = [0]
 
@@ -254,41 +305,42 @@ def gather_volume(chunks: list[int], world: int) -> dict:
             return fn(*a, **kw)
         return wrapped
 
-    # ZeRO-3 gathers through deepspeed.comm (the package and its comm module hold separate names)
-    import deepspeed.comm.comm as ds_comm
-
     outputs = {"all_gather_into_tensor": "output_tensor", "all_gather": "tensor_list"}
     patched = [(mod, name, getattr(mod, name)) for mod in (deepspeed.comm, ds_comm) for name in outputs]
     for mod, name, fn in patched:
         setattr(mod, name, counting(fn, outputs[name]))
-    cfg = Qwen2Config(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
-    out = {}
     try:
-        for chunk in chunks:
-            torch.manual_seed(0)
-            ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 4 * world,
-                  "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0,
-                                        "stage3_max_live_parameters": 1000, "stage3_prefetch_bucket_size": 0,
-                                        "stage3_param_persistence_threshold": 0},
-                  "zero_allow_untested_optimizer": True}
-            with deepspeed.zero.Init(config_dict_or_path=ds):
-                model = Qwen2ForCausalLM(cfg)
-            params = sum(p.ds_numel for p in model.parameters())
-            lm_head = model.lm_head.weight.ds_numel
-            opt = torch.optim.SGD(model.parameters(), lr=0.0)
-            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
-            ids = torch.randint(0, cfg.vocab_size, (4, 260))
-            resp = torch.zeros_like(ids, dtype=torch.bool)
-            resp[:, 10:] = True  # 4 x 250 = 1000 response tokens
-            gathered[0] = 0
-            logp = T.token_logprobs(engine, ids, torch.ones_like(ids), resp, 1.0, chunk)
-            engine.backward(logp.sum(), scale_wrt_gas=False)
-            out[chunk] = {"gathered_x_params": gathered[0] / params, "lm_head_share": lm_head / params}
-            engine.optimizer.zero_grad()
+        yield gathered
     finally:
         for mod, name, fn in patched:
             setattr(mod, name, fn)
+
+
+def gather_volume(chunks: list[int], world: int) -> dict:
+    import deepspeed
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
+    out = {}
+    for chunk in chunks:
+        torch.manual_seed(0)
+        ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 4 * world,
+              "zero_optimization": {"stage": 3, **RELEASE}, "zero_allow_untested_optimizer": True}
+        with deepspeed.zero.Init(config_dict_or_path=ds):
+            model = Qwen2ForCausalLM(cfg)
+        params = sum(p.ds_numel for p in model.parameters())
+        lm_head = model.lm_head.weight.ds_numel
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+        ids = torch.randint(0, cfg.vocab_size, (4, 260))
+        resp = torch.zeros_like(ids, dtype=torch.bool)
+        resp[:, 10:] = True  # 4 x 250 = 1000 response tokens
+        with count_gathers() as gathered:
+            logp = T.token_logprobs(engine, ids, torch.ones_like(ids), resp, 1.0, chunk)
+            engine.backward(logp.sum(), scale_wrt_gas=False)
+        out[chunk] = {"gathered_x_params": gathered[0] / params, "lm_head_share": lm_head / params}
+        engine.optimizer.zero_grad()
     return out
 
 
@@ -348,6 +400,119 @@ def sync_scaling(args, hidden_sizes: list[int], rank: int, local_rank: int, worl
     return rows
 
 
+# -----------------------------------------------------------------------------
+# --update-only: the ZeRO-3 update alone at a real model's shape
+
+
+def synthetic_rollouts(n: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> list[dict]:
+    """n responses of random tokens (lengths uniform in [response_len/2, response_len]), advantages +-1."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(1, response_len // 2), response_len + 1, (n,), generator=g).tolist()
+    return [{"tokens": torch.randint(0, vocab, (prompt_len + L,), generator=g).tolist(), "prompt_len": prompt_len,
+             "length": L, "truncated": False, "old_logp": None, "vllm_logp": None, "advantage": float(2 * (i % 2) - 1)}
+            for i, L in enumerate(lengths)]
+
+
+def update_benchmark(args) -> None:
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29541").items():
+        os.environ.setdefault(k, v)
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers.integrations import HfDeepSpeedConfig
+
+    cuda, world, local_rank = torch.cuda.is_available(), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if not cuda:
+        T.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
+    rank, device = dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=max(4096, args.prompt_len + args.response_len),
+                         rope_theta=1e6, rms_norm_eps=1e-6)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if cuda:  # refuse, in one line, a shape whose states cannot fit rather than run out of memory minutes in
+        need, total = n_params * STATE_BYTES / world, torch.cuda.get_device_properties(device).total_memory
+        if need > 0.85 * total:
+            if rank == 0:
+                print(f"bench_step.py: error: {args.shape} ({n_params / 1e9:.2f}B parameters) holds "
+                      f"{need / 2**30:.0f} GiB of ZeRO-3 states per GPU over {world} GPU(s) ({STATE_BYTES} bytes "
+                      f"per parameter), {total / 2**30:.0f} GiB on this one: use more GPUs or a smaller --shape",
+                      flush=True)
+            sys.exit(1)
+    n = args.update_responses
+    ds_args = argparse.Namespace(**{**vars(args), "prompts_per_step": n * world, "group_size": 1, "minibatches": 1})
+    cfg = T.deepspeed_config(ds_args, world)
+    if args.force_release:
+        cfg["zero_optimization"].update(RELEASE)
+    dschf = HfDeepSpeedConfig(cfg)  # noqa: F841  (from_config builds the model partitioned, under zero.Init)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine.train()
+    rollouts = synthetic_rollouts(n, args.prompt_len, args.response_len, config.vocab_size, 1000 + rank)
+    args.pad_id = 0
+    adv = torch.tensor([r["advantage"] for r in rollouts], dtype=torch.float64)
+    w = T.aggregation_weights(adv, torch.tensor([r["length"] for r in rollouts]), 8, "balanced")
+
+    def timed(fn) -> float:
+        fn()  # warm-up: optimizer state, kernels, ZeRO-3's trace
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+        def run():
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+        return best_of(args.repeats, run)
+
+    t_update = timed(lambda: T.update_minibatch(engine, rollouts, w, args, device))
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    model_flops, peak = T.model_flops_fn(engine, args.peak_tflops)
+    peak = peak or (args.peak_tflops * 1e12 if args.peak_tflops else None)
+    tokens = sum(len(r["tokens"]) for r in rollouts)
+    flop_rate = model_flops([len(r["tokens"]) for r in rollouts]) / t_update
+    # forward-only log-probs (fill_logprobs), at the update's micro-batch and at the forward-only batch
+    forward = {}
+    for batch in dict.fromkeys([args.micro_batch_size, args.logprob_batch_size]):
+        fwd_args = argparse.Namespace(**{**vars(args), "logprob_batch_size": batch})
+        fill = lambda a=fwd_args: T.fill_logprobs(engine, rollouts, "old_logp", a, device)  # noqa: E731
+        seconds = timed(fill)
+        with count_gathers() as gathered:
+            fill()
+        forward[batch] = {"seconds": seconds, "passes": math.ceil(n / batch),
+                          "gathered_x_params": gathered[0] / n_params}
+    tot = T.all_reduce([tokens / t_update, flop_rate, *(f["seconds"] for f in forward.values())])
+    slowest = T.all_reduce([t_update, peak_gib or 0.0], "max").tolist()
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "world": world, "shape": args.shape,
+           "params_b": n_params / 1e9, "responses_per_rank": n, "micro_batch_size": args.micro_batch_size,
+           "prompt_len": args.prompt_len, "response_len": args.response_len, "force_release": args.force_release,
+           "update_s": slowest[0], "tokens_per_s": tot[0].item() / world, "tflops": tot[1].item() / world / 1e12,
+           "mfu": tot[1].item() / world / peak if peak else None, "peak_tflops": peak / 1e12 if peak else None,
+           "update_peak_gib": slowest[1] if cuda else None,
+           "forward_only": {b: {**f, "seconds": tot[2 + i].item() / world} for i, (b, f) in enumerate(forward.items())}}
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print(f"\nupdate benchmark ({res['device']}, {world} rank(s), {args.shape}: {res['params_b']:.2f}B parameters, "
+              f"random weights; ZeRO-3 {'bf16' if cuda else 'fp32'}, gradient checkpointing, {n} responses of "
+              f"{args.prompt_len} + <= {args.response_len} tokens per rank, micro-batch {args.micro_batch_size}); "
+              f"full numbers in {args.out}")
+        mfu = f"{res['mfu']:.3f} (peak {res['peak_tflops']:.3g} TFLOP/s)" if res["mfu"] is not None \
+            else "needs --peak-tflops"
+        memory = f"{res['update_peak_gib']:.1f} GiB" if cuda else "CUDA only"
+        print("| update, per device | value |\n|---|---|")
+        print(f"| tokens/s | {res['tokens_per_s']:.0f} |\n| model TFLOP/s | {res['tflops']:.4g} |\n| MFU | {mfu} |")
+        print(f"| seconds per update | {res['update_s']:.3f} |\n| peak memory | {memory} |")
+        print("| forward-only log-probs (fill_logprobs) | seconds | passes | ZeRO-3 gathered, x params |\n"
+              "|---|---|---|---|")
+        for b, f in res["forward_only"].items():
+            print(f"| batch {b} | {f['seconds']:.3f} | {f['passes']} | {f['gathered_x_params']:.2f} |")
+    dist.barrier()
+
+
 def main() -> None:
     args = parse_args()
     if args.memory_probe:
@@ -357,6 +522,8 @@ def main() -> None:
 
         args.model_path = model_dir(args.model)
         return peer_probe(args)
+    if args.update_only:
+        return update_benchmark(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # before vLLM starts: its NUMA memory binding is inherited by child processes and skews their RSS
     memory = logprob_memory(args.logprob_chunk) if os.environ.get("RANK", "0") == "0" else None

@@ -165,7 +165,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
       help="recompute activations in backward (default: on with CUDA, where 7B activations do not fit without it)")
     a("--logprob-chunk", type=int, default=256, help="tokens per lm_head chunk in log-prob computation")
-    a("--vllm-gpu-memory", type=float, default=0.5, help="CUDA only: vLLM's share of GPU memory")
+    a("--logprob-batch-size", type=int, default=None,
+      help="responses per forward-only pass (old and reference log-probs) per rank; default 4 x --micro-batch-size")
+    a("--rollout-seed", default="request", choices=["request", "engine"],
+      help="request: each prompt's samples seeded by (seed, step, prompt), whatever the sharding; engine: each "
+           "engine's own stream, seeded by --seed + rank (README: GPU)")
+    a("--vllm-gpu-memory", type=float, default=0.7, help="CUDA only: vLLM's share of GPU memory (README: GPU)")
+    a("--vllm-max-num-seqs", type=int, default=256, help="CUDA only: sequences vLLM decodes at once per engine")
     a("--reward-workers", type=int, default=4)
     a("--code-reward", default="all-pass", choices=["all-pass", "fraction"],
       help="code: 1 only when every test passes (default, as accuracy counts), or the fraction of stdio cases (README)")
@@ -177,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in POLICY_LOSS_DEFAULTS[args.policy_loss].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.logprob_batch_size is None:  # no activations kept for a backward: a larger batch fits
+        args.logprob_batch_size = 4 * args.micro_batch_size
     if args.output_dir is None:
         args.output_dir = f"runs/{Path(args.model).name}-{args.agg}"
     return args
@@ -200,7 +208,7 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     check_finite(args)
     at_least_1 = ["minibatches", "micro_batch_size", "steps", "max_prompt_len", "max_response_len", "logprob_chunk",
                   "eval_interval", "eval_samples", "eval_limit", "save_interval", "max_bad_steps", "reward_workers",
-                  "max_sample_rounds"]
+                  "max_sample_rounds", "logprob_batch_size", "vllm_max_num_seqs"]
     for k in at_least_1:
         if getattr(args, k) < 1:
             raise ValueError(f"{flag(k)} must be at least 1 (got {getattr(args, k)})")
@@ -555,8 +563,15 @@ def nonfinite_weights(engine) -> int:
 
 @torch.no_grad()
 def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
-    for start in range(0, len(rollouts), args.micro_batch_size):
-        mb = rollouts[start : start + args.micro_batch_size]
+    """r[key] = the engine's per-token log-probs of each response, --logprob-batch-size responses per forward.
+
+    A forward-only pass keeps no activations for a backward, so it takes a larger batch than the
+    update's micro-batch; under ZeRO-3 every forward gathers every parameter, so fewer passes
+    gather less (README: Step benchmark). Batches are bucketed by length, as the update's are.
+    """
+    order = sorted(rollouts, key=lambda r: len(r["tokens"]))
+    for start in range(0, len(order), args.logprob_batch_size):
+        mb = order[start : start + args.logprob_batch_size]
         ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
         lp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk).float().cpu()
         for r, x in zip(mb, lp.split([r["length"] for r in mb])):
@@ -612,8 +627,14 @@ def make_vllm(model_path: str, args, rank: int, local_rank: int):
 
     max_len = args.max_prompt_len + args.max_response_len
     cuda = torch.cuda.is_available()
-    kw = dict(gpu_memory_utilization=args.vllm_gpu_memory, enable_sleep_mode=True, dtype="bfloat16") if cuda \
-        else vllm_cpu_kwargs(max_len)
+    kw = dict(gpu_memory_utilization=args.vllm_gpu_memory, max_num_seqs=args.vllm_max_num_seqs,
+              enable_sleep_mode=True, dtype="bfloat16") if cuda else vllm_cpu_kwargs(max_len)
+    if cuda:  # vLLM starts only if its whole share is free now (v1/worker/utils.py: request_memory)
+        free, total = torch.cuda.mem_get_info()
+        stop_all(f"rank {rank}: --vllm-gpu-memory {args.vllm_gpu_memory} asks for "
+                 f"{args.vllm_gpu_memory * total / 2**30:.1f} GiB of cuda:{local_rank}, {free / 2**30:.1f} GiB are "
+                 f"free beside the trainer's ZeRO-3 states: lower it to {free / total - 0.03:.2f} or use more GPUs "
+                 "(README: GPU)" if free < args.vllm_gpu_memory * total else None)
     # external_launcher: one engine per launched rank, on the device of LOCAL_RANK, inside the
     # launcher's process group (CPU and CUDA alike). vLLM's default uniprocess executor would put
     # every rank's engine on cuda:0 and move the rank's current device there.
@@ -622,12 +643,19 @@ def make_vllm(model_path: str, args, rank: int, local_rank: int):
               distributed_executor_backend="external_launcher", use_tqdm_on_load=False,
               logprobs_mode="processed_logprobs", **kw)
     moved = cuda and torch.cuda.current_device() != local_rank
-    errors = [e for e in all_gather_objects(
-        f"rank {rank}: vLLM's engine moved the current CUDA device to cuda:{torch.cuda.current_device()}, "
-        f"not cuda:{local_rank} (LOCAL_RANK)" if moved else None) if e]
-    if errors:  # every rank stops, not just the one that moved
-        sys.exit(f"train_grpo.py: error: {errors[0]}")
+    stop_all(f"rank {rank}: vLLM's engine moved the current CUDA device to cuda:{torch.cuda.current_device()}, "
+             f"not cuda:{local_rank} (LOCAL_RANK)" if moved else None)
+    if cuda and rank == 0 and args.rollout_seed == "request" and not llm.llm_engine.vllm_config.use_v2_model_runner:
+        print("[grpo] vLLM runs its V1 model runner, whose sampler loops in Python over every seeded request at "
+              "every decode step: --rollout-seed engine avoids it (README: GPU)", flush=True)
     return llm
+
+
+def stop_all(problem: str | None) -> None:
+    """Every rank stops with the first rank's problem, if any rank has one (a collective: all ranks call it)."""
+    errors = [e for e in all_gather_objects(problem) if e]
+    if errors:
+        sys.exit(f"train_grpo.py: error: {errors[0]}")
 
 
 def pin_cpu_rank(local_rank: int, local_world: int) -> None:
@@ -709,15 +737,16 @@ def sampling_seed(seed: int, step: int, prompt_index: int, n: int) -> int:
     return ((seed * 100_003 + step) * 1_000_003 + prompt_index) * n % (2**31 - n)
 
 
-def sampling_params(n: int, temperature: float, top_p: float, max_tokens: int, seed: int, step: int,
+def sampling_params(n: int, temperature: float, top_p: float, max_tokens: int, seed: int | None, step: int,
                     prompt_indices, logprobs: int | None = None) -> list:
     """One SamplingParams per prompt, seeded by the prompt's index in the whole set (sampling_seed):
     its samples do not depend on how the prompts are sharded over ranks or engines. The trainer's
-    rollouts and evaluations and evaluate.py all sample through here."""
+    rollouts and evaluations and evaluate.py all sample through here. seed None: no per-request
+    seed, the engine's own stream (--rollout-seed engine)."""
     from vllm import SamplingParams
 
     return [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=logprobs,
-                           seed=sampling_seed(seed, step, i, n)) for i in prompt_indices]
+                           seed=None if seed is None else sampling_seed(seed, step, i, n)) for i in prompt_indices]
 
 
 # -----------------------------------------------------------------------------
@@ -755,7 +784,8 @@ def generate(llm, rows: list[dict], params: list) -> list:
 def rollout(llm, rows: list[dict], args, step: int, first_index: int) -> list[dict]:
     """G responses per prompt (prompt j of this rank is prompt first_index + j of the step), each
     token with the log-prob vLLM sampled it with."""
-    params = sampling_params(args.group_size, args.temperature, args.top_p, args.max_response_len, args.seed,
+    seed = args.seed if args.rollout_seed == "request" else None
+    params = sampling_params(args.group_size, args.temperature, args.top_p, args.max_response_len, seed,
                              step, range(first_index, first_index + len(rows)), logprobs=0)
     return to_rollouts(rows, generate(llm, rows, params))
 
@@ -880,6 +910,16 @@ def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_
                 for s in part:
                     f.write(json.dumps(s) + "\n")
     return {"eval/acc_greedy": (t[0] / t[2]).item(), f"eval/acc@{k}": (t[1] / t[3]).item()}
+
+
+def seed_rngs(seed: int) -> None:
+    """Python's, NumPy's and torch's generators (--rollout-seed engine samples from NumPy's on CUDA, from
+    torch's on the CPU)."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict:
@@ -1056,13 +1096,14 @@ def load_training_state(engine, ckpt: Path, rank: int) -> dict:
 
 # may differ between the launches of one run (the directory is the run, wherever it is)
 RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
-                    "keep_last", "max_bad_steps", "output_dir", "report_to", "peak_tflops"}
+                    "keep_last", "max_bad_steps", "output_dir", "report_to", "peak_tflops", "vllm_gpu_memory",
+                    "vllm_max_num_seqs", "logprob_batch_size"}  # the last three: memory and speed, not the run
 # may differ after --resume, which continues a run with them changed (optimisation knobs, lengths the data
 # order does not depend on, evaluation); every other argument is the run's identity and never changes
 RESUME_MAY_CHANGE = {"lr", "lr_warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high", "sapo_tau_pos",
                      "sapo_tau_neg", "kl_coef",
                      "temperature", "top_p", "max_response_len", "micro_batch_size", "logprob_chunk",
-                     "gradient_checkpointing", "vllm_gpu_memory", "rollout_correction_cap", "eval_dataset",
+                     "gradient_checkpointing", "rollout_correction_cap", "eval_dataset",
                      "eval_limit", "eval_samples"}
 
 
@@ -1426,6 +1467,12 @@ def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list
 
 def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank: int):
     """The ZeRO-3 policy engine, the frozen reference engine (only with --kl-coef), the vLLM engine."""
+    engine, ref_engine = build_trainer(args, model_path, ds_config)
+    return engine, ref_engine, make_vllm(model_path, args, rank, local_rank)
+
+
+def build_trainer(args, model_path: str, ds_config: dict):
+    """The ZeRO-3 policy engine and the frozen reference engine (only with --kl-coef); no vLLM."""
     import deepspeed
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
@@ -1449,7 +1496,7 @@ def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank:
         ref_cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         ref_engine = deepspeed.initialize(model=ref, config=ref_cfg)[0]
-    return engine, ref_engine, make_vllm(model_path, args, rank, local_rank)
+    return engine, ref_engine
 
 
 def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tuple[int, list[int], int]:
@@ -1616,6 +1663,38 @@ def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: di
     return metrics
 
 
+# The engine releases this trainer was read against: it relies on their internals (vLLM's in-process engine core,
+# layerwise reload_weights, sleep by tag; DeepSpeed's ZeRO-3 gathers and checkpoint layout). requirements.txt pins
+# the same (tests/test_gpu_check.py keeps the two equal).
+PINS = {"vllm": "0.32.0", "deepspeed": "0.19.8"}
+
+
+def installed_versions() -> dict[str, str | None]:
+    """{engine: installed version or None}, read from the package metadata without importing the engine;
+    vLLM's CPU build (vllm-cpu) provides the same vllm module."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(*names: str) -> str | None:
+        for name in names:
+            with contextlib.suppress(PackageNotFoundError):
+                return version(name)
+        return None
+
+    return {"vllm": installed("vllm", "vllm-cpu"), "deepspeed": installed("deepspeed")}
+
+
+def pin_mismatch(installed: dict[str, str | None]) -> str | None:
+    """One line naming each engine whose installed release is not its pin (a local tag such as +cpu aside)."""
+    from packaging.version import Version
+
+    off = [f"{m} {v or 'not installed'}" for m, v in installed.items()
+           if v is None or Version(v).public != Version(PINS[m]).public]
+    if not off:
+        return None
+    return (f"[grpo] installed {', '.join(off)}: this trainer was written against "
+            f"{', '.join(f'{m}=={v}' for m, v in PINS.items())} (requirements.txt), whose internals it uses")
+
+
 def resume_point(out_dir: Path, world: int) -> str:
     """Where the same command picks the run up: its newest complete checkpoint, said in words."""
     ckpt = next((c for c in checkpoint_dirs(out_dir / "checkpoints")[::-1] if checkpoint_problem(c, world) is None),
@@ -1662,6 +1741,8 @@ def one_line_early_ends(train):
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) == 0 and (line := pin_mismatch(installed_versions())):
+        print(line, flush=True)
     out_dir = Path(args.output_dir)
     try:
         check_args(args, world)
@@ -1683,10 +1764,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed)
+    seed_rngs(args.seed + rank)
     model_path, tokenizer, train_rows, dropped, eval_rows = load_data(args, local_rank)
+    seeded = rng_state()
     engine, ref_engine, llm = build_engines(args, model_path, ds_config, rank, local_rank)
+    set_rng_state(seeded)  # vLLM's worker reseeded Python, NumPy and torch (gpu_worker.py: set_random_seed)
     start, order, bad_streak = resume(engine, llm, checkpoints, out_dir, rank)
     if rank == 0:
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "

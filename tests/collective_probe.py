@@ -7,7 +7,9 @@ reduction of a CPU tensor would pass every CPU test and fail on the first GPU no
 the CPU run as strict as the code allows: a collective called from the project's own code must come
 from train_grpo.all_reduce / all_gather_objects, which place the data on the backend's device.
 Collectives made inside DeepSpeed, vLLM or torch are theirs and pass. Each rank writes what its
-engine was built with to OUTPUT_DIR/probe_rankN.json.
+engine was built with to OUTPUT_DIR/probe_rankN.json, and digests of its random generators' states when
+the engines start to be built, once vLLM's engine is built (its worker reseeds them) and when the run resumes
+(restored by then).
 """
 
 import functools
@@ -54,14 +56,51 @@ def install_guard() -> None:
             setattr(dist, name, guarded(getattr(dist, name)))
 
 
+def rng_digest() -> str:
+    """A digest of Python's, NumPy's and torch's (CPU) generator states."""
+    import hashlib
+    import random
+
+    import numpy as np
+
+    state = (random.getstate(), [x.tolist() if hasattr(x, "tolist") else x for x in np.random.get_state()],
+             torch.get_rng_state().tolist())
+    return hashlib.sha256(repr(state).encode()).hexdigest()[:16]
+
+
 def record_engines() -> None:
-    """Wrap train_grpo.make_vllm: each rank writes the executor its engine was built with."""
+    """Wrap train_grpo.make_vllm: each rank writes the executor its engine was built with; and build_engines
+    and resume: the generators' digests around the build."""
     import train_grpo
 
-    make = train_grpo.make_vllm
+    make, build, resume, load_data = (train_grpo.make_vllm, train_grpo.build_engines, train_grpo.resume,
+                                      train_grpo.load_data)
+    digests = {}
+
+    def load_and_draw(*args, **kwargs):
+        import random
+
+        import numpy as np
+
+        # a trainer that drew from its generators before the build: vLLM's reseed (to the very seed the trainer
+        # seeds with) then shows, and so would a missing restore
+        data = load_data(*args, **kwargs)
+        random.random(), np.random.random(), torch.rand(1)
+        return data
+
+    def build_and_record(*args, **kwargs):
+        digests["rng_at_build"] = rng_digest()
+        return build(*args, **kwargs)
+
+    def record_and_resume(engine, llm, checkpoints, out_dir, rank):
+        digests["rng_at_resume"] = rng_digest()
+        path = Path(out_dir) / f"probe_rank{rank}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **digests}))
+        return resume(engine, llm, checkpoints, out_dir, rank)
 
     def make_and_record(model_path, args, rank, local_rank):
         llm = make(model_path, args, rank, local_rank)
+        digests["rng_after_vllm"] = rng_digest()
         core = llm.llm_engine.engine_core.engine_core  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         info = {"backend": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
                 "executor": type(core.model_executor).__name__, "rank": rank, "local_rank": local_rank,
@@ -73,6 +112,8 @@ def record_engines() -> None:
         return llm
 
     train_grpo.make_vllm = make_and_record
+    train_grpo.build_engines, train_grpo.resume = build_and_record, record_and_resume
+    train_grpo.load_data = load_and_draw
 
 
 if __name__ == "__main__":

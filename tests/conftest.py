@@ -35,10 +35,14 @@ def cpu_env(**extra: str) -> dict:
     return env
 
 
+# DeepSpeed's launcher wherever DeepSpeed imports (its `deepspeed` script sits only in the bin/ of an
+# environment DeepSpeed was pip-installed into)
+LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
 def deepspeed_run(nproc: int, script: str, *args: str, port: int = 29611, timeout: int = 600, env=None):
     """Run `deepspeed --num_gpus nproc script args` on the CPU accelerator; returns CompletedProcess."""
-    launcher = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(launcher), "--num_gpus", str(nproc), "--master_port", str(port), script, *args]
+    cmd = [*LAUNCHER, "--num_gpus", str(nproc), "--master_port", str(port), script, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
 
 

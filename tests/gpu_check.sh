@@ -1,26 +1,101 @@
 #!/usr/bin/env bash
-# The GPU acceptance check on a bare CUDA machine: install requirements.txt into a venv, then run
-# tests/test_gpu.py, printing each phase's seconds and the peak GPU memory. Without a CUDA device
-# it says so and exits 0, having installed nothing.
+# The GPU acceptance check, on the Python a GPU node already has (README: GPU):
 #
-#     bash tests/gpu_check.sh          # GPU_CHECK_VENV=DIR to use another venv (default .venv-gpu)
+#     bash tests/gpu_check.sh [PYTHON]      # default: $GPU_CHECK_PYTHON, else python3 on PATH
 #
-# The venv sees the system's packages (--system-site-packages), so an image that already holds a
-# CUDA torch, vLLM and DeepSpeed of the required versions installs nothing new.
-set -euo pipefail
+# 1. Says which of torch, transformers, deepspeed, vllm and pytest import in PYTHON, with their versions.
+# 2. On a CUDA node, installs what is missing into PYTHON's environment at requirements.txt's pins, one
+#    package at a time, from the wheels in $GPU_CHECK_WHEELS (no index: an offline node) or else the
+#    package index, holding every package already there at its version (a constraint: the node's torch
+#    is never replaced). An install that cannot happen (no network, a conflict, a read-only environment)
+#    is said in one line, and the check goes on with what there is.
+# 3. Runs tests/test_gpu.py: the update path at real shapes wherever DeepSpeed imports, the rollout and
+#    weight-sync checks where vLLM does too; each skip says what is missing. Then, on CUDA with DeepSpeed,
+#    the update benchmark (bench_step.py --update-only --shape $GPU_CHECK_SHAPE, default qwen2.5-1.5b).
+# Without a CUDA device nothing is installed and every GPU test skips; GPU_CHECK_FORCE=1 tries the
+# install anyway (to check an offline wheel directory on any machine). Exit status: the tests'.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "[gpu check] skipped: no CUDA device (nvidia-smi finds none)"
-  exit 0
+py=${1:-${GPU_CHECK_PYTHON:-python3}}
+say() { echo "[gpu check] $*"; }
+if ! command -v "$py" >/dev/null 2>&1; then
+  say "error: no Python at '$py' (pass one: bash tests/gpu_check.sh /path/to/python)"
+  exit 1
 fi
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | sed 's/^/[gpu check] GPU /'
-venv=${GPU_CHECK_VENV:-.venv-gpu}
+PACKAGES=(torch transformers pytest deepspeed vllm)
+
+# name=version (or name=-) for every package, then cuda=N (devices torch sees)
+probe() {
+  "$py" - "${PACKAGES[@]}" 2>/dev/null <<'EOF'
+import importlib, sys
+for name in sys.argv[1:]:
+    try:
+        print(f"{name}={importlib.import_module(name).__version__}")
+    except Exception:  # not installed, or installed and broken: either way it does not import
+        print(f"{name}=-")
+try:
+    import torch
+    print(f"cuda={torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+except Exception:
+    print("cuda=0")
+EOF
+}
+version() { sed -n "s/^$1=//p" <<<"$state"; }
+missing() { for p in "${PACKAGES[@]}"; do [ "$(version "$p")" = "-" ] && echo "$p"; done; }
+report() { say "$py: $(for p in "${PACKAGES[@]}"; do printf '%s %s, ' "$p" "$(version "$p")"; done | sed 's/, $//; s/ -/ missing/g')"; }
+
+state=$(probe)
+report
+gpus=$(version cuda)
+if [ "${gpus:-0}" = 0 ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L | wc -l)  # a CUDA node whose Python lacks a CUDA torch
+fi
+if [ "${gpus:-0}" -gt 0 ]; then
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/[gpu check] GPU /'
+elif [ "${GPU_CHECK_FORCE:-0}" = 1 ]; then
+  say "no CUDA device: installing what is missing all the same (GPU_CHECK_FORCE=1); the GPU tests skip"
+else
+  say "no CUDA device: nothing is installed, and the GPU tests skip"
+fi
+
+todo=$(missing)
+if [ -n "$todo" ] && { [ "${gpus:-0}" -gt 0 ] || [ "${GPU_CHECK_FORCE:-0}" = 1 ]; }; then
+  start=$SECONDS
+  hold=$(mktemp)
+  trap 'rm -f "$hold"' EXIT
+  for p in "${PACKAGES[@]}"; do v=$(version "$p"); [ "$v" != "-" ] && echo "$p==$v"; done >"$hold"
+  source_args=(--retries 0 --timeout 15)
+  if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
+    source_args=(--no-index --find-links "$GPU_CHECK_WHEELS")
+  fi
+  for p in $todo; do
+    spec=$(grep -E "^$p([=<>!~ ]|$)" requirements.txt | sed 's/#.*//; s/ //g')
+    log=$("$py" -m pip install --disable-pip-version-check -q -c "$hold" "${source_args[@]}" "${spec:-$p}" 2>&1)
+    if [ $? -eq 0 ]; then
+      say "installed ${spec:-$p}"
+    else
+      say "could not install ${spec:-$p}: $(grep -E 'ERROR|error:' <<<"$log" | head -1 | cut -c1-200)"
+    fi
+  done
+  say "install: $((SECONDS - start)) s"
+  state=$(probe)
+  report
+elif [ -z "$todo" ]; then
+  say "nothing to install"
+fi
+
+if [ "$(version torch)" = "-" ] || [ "$(version pytest)" = "-" ]; then
+  say "error: nothing can run without torch and pytest in $py"
+  exit 1
+fi
 start=$SECONDS
-[ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
-"$venv/bin/python" -m pip install -q -r requirements.txt pytest
-echo "[gpu check] install: $((SECONDS - start)) s"
-start=$SECONDS
-status=0
-"$venv/bin/python" -m pytest -q -s -rs tests/test_gpu.py || status=$?
-echo "[gpu check] tests: $((SECONDS - start)) s"
+"$py" -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu.py
+status=$?
+say "tests: $((SECONDS - start)) s"
+if [ "$(version cuda)" -gt 0 ] && [ "$(version deepspeed)" != "-" ]; then
+  start=$SECONDS
+  "$py" -m deepspeed.launcher.runner --num_gpus "$(version cuda)" --master_port 29673 bench_step.py --update-only \
+    --shape "${GPU_CHECK_SHAPE:-qwen2.5-1.5b}" --out bench_update.json || status=1
+  say "update benchmark: $((SECONDS - start)) s"
+fi
 exit "$status"

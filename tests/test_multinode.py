@@ -62,6 +62,8 @@ def test_engines_are_built_by_the_external_launcher_on_their_local_rank(runs):
         assert [p["executor"] for p in probes] == ["ExecutorWithExternalLauncher"] * 2
         assert [p["local_rank"] for p in probes] == local_ranks and [p["world"] for p in probes] == [2, 2]
         assert [p["device"] for p in probes] == ["cpu", "cpu"]
+        # vLLM's worker reseeded Python, NumPy and torch; the trainer put its own states back before training
+        assert all(p["rng_at_resume"] == p["rng_at_build"] != p["rng_after_vllm"] for p in probes), probes
 
 
 def test_two_nodes_resume_from_their_checkpoint_and_only_rank_0_logs(runs):

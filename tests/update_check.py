@@ -1,0 +1,147 @@
+"""The trainer's update path without vLLM, at a real model's shapes: what a GPU node with DeepSpeed but no vLLM
+can check. Launched on every rank by DeepSpeed's launcher:
+
+    python -m deepspeed.launcher.runner --num_gpus N tests/update_check.py --shape qwen2.5-1.5b --out DIR
+
+A random-weight model of the shape (bench_step.SHAPES; no hub) is saved and loaded by the trainer's own
+build_trainer: ZeRO-3 (bf16 with fp32 gradient accumulation and torch's fused AdamW on CUDA), gradient
+checkpointing, a frozen reference engine for a KL term. Three GRPO updates on synthetic responses through the
+trainer's functions (fill_logprobs for old and reference log-probs, loss_weights, update_minibatch with chunked
+log-probs); a checkpoint after the first (save_checkpoint); then load_training_state from it and the second
+update again, which must reproduce the first time's loss and fp32 master weights (exactly on the CPU; on CUDA,
+within 1% of the update's own change: its attention backward is not deterministic). Also the collective helpers
+(all_reduce, all_gather_objects) on the backend's device. Each rank writes DIR/update_check_rankR.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import train_grpo as T  # noqa: E402
+from bench_step import SHAPES, synthetic_rollouts  # noqa: E402
+
+
+def random_model(shape: str, out: Path, max_len: int) -> None:
+    """A random-weight model of `shape` with the demo's tokenizer, as from_pretrained loads it (rank 0)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from data.demo import model_dir
+
+    cuda = torch.cuda.is_available()
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=max(4096, max_len), rope_theta=1e6,
+                      rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):  # initialising 1.5B weights on the CPU takes minutes
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16 if cuda else torch.float32)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir("demo")).save_pretrained(out)
+
+
+def update(engine, ref_engine, args, step: int, rank: int, device) -> dict[str, float]:
+    """One rollout batch's update as main() runs it, on synthetic groups: old and reference log-probs,
+    aggregation weights, then the mini-batches."""
+    n = args.prompts_per_step // int(os.environ["WORLD_SIZE"]) * args.group_size
+    rollouts = synthetic_rollouts(n, args.max_prompt_len, args.max_response_len, engine.module.config.vocab_size,
+                                  seed=10_000 * step + rank)
+    rewards = torch.tensor([float((7 * i + step) % 3 == 0) for i in range(n)], dtype=torch.float64)
+    adv = T.group_advantages(rewards, args.group_size)
+    for r, a in zip(rollouts, adv.tolist()):
+        r["advantage"] = a
+    T.fill_logprobs(engine, rollouts, "old_logp", args, device)
+    T.fill_logprobs(ref_engine, rollouts, "ref_logp", args, device)
+    weights = T.loss_weights(adv, rollouts, args)
+    engine.train()
+    sums, per_mb = {}, n // args.minibatches
+    for mb in range(args.minibatches):
+        part = slice(mb * per_mb, (mb + 1) * per_mb)
+        for k, v in T.update_minibatch(engine, rollouts[part], weights[part], args, device).items():
+            sums[k] = sums.get(k, 0.0) + v
+    return sums
+
+
+def master_weights(engine) -> list[torch.Tensor]:
+    """This rank's partition of the fp32 master weights (ZeRO-3's optimizer), copied to the CPU."""
+    return [t.detach().float().cpu().clone() for t in engine.optimizer.fp32_partitioned_groups_flat]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES))
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompts-per-rank", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=768)
+    p.add_argument("--local_rank", type=int, default=-1)
+    a = p.parse_args()
+    out, world = Path(a.out), int(os.environ.get("WORLD_SIZE", "1"))
+    out.mkdir(parents=True, exist_ok=True)
+    rank, local_rank = T.init_distributed(out, [], world)
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    model_dir = out / "model"
+    if rank == 0:
+        random_model(a.shape, model_dir, a.prompt_len + a.response_len)
+    dist.barrier()
+    args = T.parse_args(["--model", str(model_dir), "--output-dir", str(out / "run"), "--group-size", "4",
+                         "--prompts-per-step", str(a.prompts_per_rank * world), "--minibatches", "2",
+                         "--micro-batch-size", "2", "--logprob-chunk", "64", "--kl-coef", "0.01",
+                         "--gradient-checkpointing", "--lr", "1e-5", "--lr-warmup-steps", "0",
+                         "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len)])
+    T.check_args(args, world)
+    args.pad_id = 0
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    engine, ref_engine = T.build_trainer(args, str(model_dir), T.deepspeed_config(args, world))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    optimizer = engine.optimizer.optimizer
+    result = {"rank": rank, "world": world, "shape": a.shape, "device": str(device),
+              "params": sum(getattr(q, "ds_numel", q.numel()) for q in engine.module.parameters()),
+              "bf16": engine.bfloat16_enabled(), "optimizer": type(optimizer).__name__,
+              "fused": optimizer.defaults.get("fused"), "zero_stage": engine.zero_optimization_stage(),
+              "checkpointing": engine.module.is_gradient_checkpointing,
+              "collective_device": str(T.collective_device()),
+              "all_reduce": [T.all_reduce([rank, 1.0]).tolist(), T.all_reduce([rank], "max").tolist()],
+              "all_gather_objects": T.all_gather_objects({"rank": rank})}
+
+    t0 = time.time()
+    first = update(engine, ref_engine, args, 1, rank, device)
+    result["step_s"] = time.time() - t0
+    root = out / "run" / "checkpoints"
+    T.save_checkpoint(engine, tokenizer, root, 1, {"step": 1, "order": [], "bad_streak": 0}, rank, keep_last=2)
+    saved = master_weights(engine)
+    straight = update(engine, ref_engine, args, 2, rank, device)
+    after = master_weights(engine)
+
+    result["checkpoint_problem"] = T.checkpoint_problem(root / "step_000001", world)
+    result["resumed_step"] = T.load_training_state(engine, root / "step_000001", rank)["step"]
+    loaded = master_weights(engine)
+    again = update(engine, ref_engine, args, 2, rank, device)
+    redone = master_weights(engine)
+    change = max((b - s).abs().max().item() for s, b in zip(saved, after))
+    result.update(
+        first=first, straight=straight, again=again, change=change,
+        loaded_diff=max((x - s).abs().max().item() for s, x in zip(saved, loaded)),
+        redone_diff=max((x - b).abs().max().item() for b, x in zip(after, redone)),
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+    (out / f"update_check_rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0:
+        print(f"[update check] {a.shape} ({result['params'] / 1e9:.2f}B parameters), {world} rank(s) on "
+              f"{device.type}: {result['step_s']:.1f} s per update of {args.prompts_per_step * args.group_size} "
+              f"responses; resume: weight diff {result['redone_diff']:.2e} for a change of {change:.2e}"
+              + (f"; peak memory {result['peak_gib']:.1f} GiB" if cuda else ""), flush=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
