@@ -56,7 +56,8 @@ def test_benchmarks_with_their_tests_in_the_prompt_are_marked():
     assert "mbpp* Acc@8" in head and "demo-test Acc@8" in head
     import argparse
 
-    args = argparse.Namespace(template="plain", n=8, temperature=0.6, top_p=0.95, max_tokens=10, seed=0, limit=None)
+    args = argparse.Namespace(template="plain", n=8, temperature=0.6, top_p=0.95, max_tokens=10, seed=0, limit=None,
+                              max_model_len=None)
     assert settings_key(args)[1]["scoring"] == __import__("rewards").SCORING_VERSION  # caches keyed by it
 
 
