@@ -83,3 +83,6 @@ if SCALE != 1:
 
 if __name__ == "__main__":
     T.main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as train_grpo.py: the engines' teardown at exit takes seconds

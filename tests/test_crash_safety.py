@@ -196,8 +196,12 @@ def test_one_writer_and_every_early_end_in_one_line(tmp_path, demo_dir):
     """A second launch into a running run's directory, Ctrl-C, and an update that makes the weights
     non-finite (plain `python train_grpo.py`, as a user runs it)."""
     out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    first = subprocess.Popen([sys.executable, "train_grpo.py", "--output-dir", str(out), *ONE_RANK], cwd=ROOT,
-                             env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    long_run = [*ONE_RANK, "--steps", "1000"]  # cannot end before the Ctrl-C (the step count may change per launch)
+    first = subprocess.Popen([sys.executable, "train_grpo.py", "--output-dir", str(out), *long_run], cwd=ROOT,
+                             env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             # Ctrl-C as at a terminal, also when the tests run in a background job (which
+                             # ignores SIGINT, and so would its children: Python then raises nothing)
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 400
     while time.time() < deadline and first.poll() is None and not (ckpts / "step_000002").exists():
         time.sleep(0.2)
@@ -218,7 +222,7 @@ def test_one_writer_and_every_early_end_in_one_line(tmp_path, demo_dir):
 
     # the same command again, with the first update from step newest+2 on at lr = inf: DeepSpeed applies it
     # (the gradients are finite), the second mini-batch's NaN gradient it skips; nothing of the step is saved
-    res = run_cli("--output-dir", str(out), *ONE_RANK, env=cpu_env(GRPO_FAULT_INF_LR_STEP=str(newest + 2)),
+    res = run_cli("--output-dir", str(out), *long_run, env=cpu_env(GRPO_FAULT_INF_LR_STEP=str(newest + 2)),
                   script="tests/fault_train.py")
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert f"resuming from {ckpts}/step_{newest:06d} (step {newest})" in res.stdout
