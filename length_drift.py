@@ -184,10 +184,12 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
     tasks = {Path(a).name.split("-", 1)[1] if "-" in Path(a).name else Path(a).name: setting_runs(Path(a))
              for a in ablations}
     settings = list(dict.fromkeys(k for runs in tasks.values() for k in runs))
+    losses = len({loss for _, loss in settings}) > 1  # then also the share of tokens each loss clips
     head = ["rule"]
     for task in tasks:
         head += ([f"{task}: pg loss, steps 1-5", "scale-free"] if "nogap" not in task else [f"{task}: push x1000"])
         head += [f"{task}: length, steps 36-40", f"{task}: Acc@8 peak / last"]
+        head += [f"{task}: clip fraction, steps 1-40"] if losses else []
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     curves = defaultdict(dict)
     for agg, loss in settings:
@@ -195,7 +197,7 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
         for task, by_setting in tasks.items():
             runs = by_setting.get((agg, loss), [])
             if not runs:
-                cells += ["-"] * (3 if "nogap" in task else 4)
+                cells += ["-"] * ((3 if "nogap" in task else 4) + losses)
                 continue
             per_run = [steps(r) for r in runs]
             if "nogap" not in task:
@@ -211,6 +213,9 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
             cells.append(fmt([sum(m[s]["length/mean"] for s in range(36, 41)) / 5 for m in per_run]))
             peaks_lasts = [acc(r) for r in runs]
             cells.append(f"{fmt([p for p, _ in peaks_lasts])} / {fmt([x for _, x in peaks_lasts])}")
+            if losses:
+                cells.append(fmt([sum(m[s]["loss/clip_frac"] for s in m if s > 0) / (len(m) - (0 in m))
+                                  for m in per_run], 3))
             for key in ("loss/pg", "length/mean"):
                 curves[(task, key)][(agg, loss)] = [[scale_free(m[s], agg) if key == "loss/pg" else m[s][key]
                                                      for s in sorted(m)] for m in per_run]
