@@ -218,6 +218,7 @@ def test_shipped_benchmarks_load_by_name_offline(monkeypatch):
         prepare.load_rows("dapo17k")
 
 
+@pytest.mark.slow  # a trainer process: imports and a DeepSpeed start, 5-10 s
 def test_a_launch_that_trained_nothing_binds_no_arguments(tmp_path):
     # args.json is written with the first checkpoint: a launch that failed before it (here after the
     # rendezvous) leaves nothing that refuses the corrected command, with other arguments
@@ -228,6 +229,7 @@ def test_a_launch_that_trained_nothing_binds_no_arguments(tmp_path):
     one_line_error(run("train_grpo.py", "--dataset", str(bad), "--agg", "token", *out), "has no 'answer'")
 
 
+@pytest.mark.slow  # a trainer process: imports and a DeepSpeed start, 5-10 s
 def test_a_second_plain_launch_takes_a_free_port(tmp_path):
     # `python train_grpo.py` used to take port 29531 always: the second of two runs died with EADDRINUSE
     bad = tmp_path / "bad.jsonl"
@@ -287,6 +289,7 @@ def test_a_run_with_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path)
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == metrics  # nothing cut, nothing purged
 
 
+@pytest.mark.slow  # a trainer process: imports and a DeepSpeed start, 5-10 s
 def test_finished_run_relaunched_with_resume_and_other_arguments_keeps_its_record(tmp_path):
     checkpointed_run(tmp_path / "run", steps=2)
     before = (tmp_path / "run" / "args.json").read_bytes()

@@ -272,6 +272,7 @@ def run_cli(*flags, env=None, script="train_grpo.py"):
                           timeout=300, env=env)
 
 
+@pytest.mark.slow  # a trainer process: imports and a DeepSpeed start, 5-10 s
 def test_unreadable_dataset(tmp_path):
     bad = tmp_path / "broken.parquet"
     bad.write_bytes(b"not a parquet file")

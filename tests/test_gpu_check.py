@@ -54,6 +54,7 @@ def gpu_check(python: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow  # gpu_check.sh end to end, its imports and pip: 5-10 s
 def test_gpu_check_runs_the_stack_it_is_given_without_cuda(tmp_path):
     res = gpu_check(sys.executable, tmp_path)
     out = res.stdout
@@ -68,6 +69,7 @@ def test_gpu_check_runs_the_stack_it_is_given_without_cuda(tmp_path):
     assert "the GPU check needs a CUDA device" in out
 
 
+@pytest.mark.slow  # gpu_check.sh end to end, its imports and pip: 5-10 s
 def test_gpu_check_says_what_it_cannot_install_and_stops_only_when_nothing_can_run(tmp_path):
     bare = tmp_path / "bare"
     subprocess.run(["python3", "-m", "venv", str(bare)], check=True)  # no torch, no pytest, nothing

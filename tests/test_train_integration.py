@@ -95,6 +95,7 @@ def test_two_rank_run(agg, minibatches, correction, loss, extra, demo_dir, tmp_p
     assert trained != initial  # the weights did move, so the equality above is the sync's doing
 
 
+@pytest.mark.slow  # three processes importing the trainer: 5-10 s
 def test_cpu_ranks_get_their_own_cores():
     """On the CPU each rank (trainer + in-process vLLM engine) runs on its share of the cores with
     as many torch threads; a launcher's OMP_NUM_THREADS (deepspeed --bind_cores_to_rank) wins."""
@@ -148,6 +149,7 @@ def test_prompts_not_divisible_by_ranks():
     assert "--prompts-per-step 7 is not divisible by the 2 ranks" in res.stderr
 
 
+@pytest.mark.slow  # a trainer process: imports and a DeepSpeed start, 5-10 s
 def test_dataset_row_without_answer(demo_dir, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "What is 1+1?", "answer": "2"}) + "\n"
@@ -157,6 +159,7 @@ def test_dataset_row_without_answer(demo_dir, tmp_path):
     assert "row 1 has no 'answer'" in res.stderr
 
 
+@pytest.mark.slow  # a trainer process: imports and a DeepSpeed start, 5-10 s
 def test_code_dataset_without_bubblewrap_fails_in_one_line(demo_dir, tmp_path, path_without_bwrap):
     import os
 
