@@ -621,6 +621,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as train_grpo.py: the engines' teardown at exit takes seconds
+    T.exit_without_teardown()

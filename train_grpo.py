@@ -1704,6 +1704,15 @@ def resume_point(out_dir: Path, world: int) -> str:
     return f"the same command resumes the run from {ckpt} (step {int(ckpt.name[5:])})"
 
 
+def exit_without_teardown(code: int = 0) -> None:
+    """End the process now, past the interpreter's teardown of the engines (seconds per launch; gloo's
+    can abort, "terminate called without an active exception"). Only once every file is closed and
+    no rank is left in a collective with this one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def one_line_early_ends(train):
     """Ctrl-C, SIGTERM (a scheduler's preemption) and a full disk end every rank at once; rank 0 says in
     one line why, and where the run resumes from. The exit skips the interpreter's teardown (engines and
@@ -1729,8 +1738,7 @@ def one_line_early_ends(train):
             if int(os.environ.get("RANK", "0")) == 0:  # after a progress bar's last, unfinished line
                 where = resume_point(Path(parse_args(argv).output_dir), int(os.environ.get("WORLD_SIZE", "1")))
                 print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(code)
+            exit_without_teardown(code)
         finally:
             signal.signal(signal.SIGTERM, before)
 
@@ -1870,8 +1878,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # Every file is closed and every rank is past the last barrier: skip the interpreter's teardown of the
-    # engines (seconds per launch; gloo's can abort, "terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # every file is closed and every rank is past the last barrier

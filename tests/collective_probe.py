@@ -14,7 +14,6 @@ the engines start to be built, once vLLM's engine is built (its worker reseeds t
 
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -123,5 +122,4 @@ if __name__ == "__main__":
     install_guard()
     record_engines()
     train_grpo.main(sys.argv[1:])
-    sys.stdout.flush()
-    os._exit(0)  # as train_grpo.py: the engines' teardown at exit takes seconds
+    train_grpo.exit_without_teardown()

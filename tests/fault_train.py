@@ -83,6 +83,4 @@ if SCALE != 1:
 
 if __name__ == "__main__":
     T.main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as train_grpo.py: the engines' teardown at exit takes seconds
+    T.exit_without_teardown()

@@ -44,5 +44,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     main()
-    sys.stdout.flush()
-    os._exit(0)  # as train_grpo.py: the engines' teardown at exit takes seconds
+    train_grpo.exit_without_teardown()
