@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import BENCHMARKS, ROOT, cpu_env
 
+import jit_cache
 import train_grpo
 
 
@@ -461,12 +462,12 @@ def test_jit_cache_is_per_install(monkeypatch):
     import importlib.util
     from types import SimpleNamespace
 
-    here = train_grpo.jit_extensions_dir()
+    here = jit_cache.jit_extensions_dir()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == here  # set at import, unless the user set it
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
         origin="/elsewhere/.venv/deepspeed/__init__.py") if name == "deepspeed" else real(name))
-    other = train_grpo.jit_extensions_dir()
+    other = jit_cache.jit_extensions_dir()
     assert other != here and os.path.dirname(other) == os.path.dirname(here)
 
 
@@ -474,13 +475,13 @@ def test_a_stale_jit_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeyp
     import threading
 
     cfg = train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)
-    assert train_grpo.jit_ops(cfg) == ["deepspeed_shm_comm"]  # on the CPU: its collectives
+    assert jit_cache.jit_ops(cfg) == ["deepspeed_shm_comm"]  # on the CPU: its collectives
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
     lock.write_text("")  # left by a launch killed while it built: torch would wait for it forever
-    assert train_grpo.on_local_filesystem(lock)
-    train_grpo.check_jit_cache(cfg, 0)
+    assert jit_cache.on_local_filesystem(lock)
+    jit_cache.check_jit_cache(cfg, 0)
     out = capsys.readouterr().out
     assert not lock.exists() and f"[grpo] removed {lock}: a JIT build lock whose builder is gone" in out
     assert "[grpo] building DeepSpeed's deepspeed_shm_comm op into" in out  # what the next minute is
@@ -491,21 +492,21 @@ def test_a_stale_jit_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeyp
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert builder.stdout.readline().strip() == "open"
-        assert train_grpo.lock_holders(lock) == [builder.pid]
-        train_grpo.check_jit_cache(cfg, 0)  # a build running on this machine: left to torch, which waits for it
+        assert jit_cache.lock_holders(lock) == [builder.pid]
+        jit_cache.check_jit_cache(cfg, 0)  # a build running on this machine: left to torch, which waits for it
         assert lock.exists()
     finally:
         builder.kill()
         builder.wait()
 
     # a cache shared with other machines: waited for, then named with the command that clears it
-    monkeypatch.setattr(train_grpo, "on_local_filesystem", lambda path: False)
+    monkeypatch.setattr(jit_cache, "on_local_filesystem", lambda path: False)
     with pytest.raises(ValueError, match=re.escape(f"held by no process on this machine for 0 s, left by a launch "
                                                    f"killed while it built; if no other node builds into this "
                                                    f"cache, rm {lock}")):
-        train_grpo.clear_stale_build_lock(lock, speak=True, wait_s=0.3)
+        jit_cache.clear_stale_build_lock(lock, speak=True, wait_s=0.3)
     threading.Timer(0.5, lock.unlink).start()  # another node's build ends
-    train_grpo.clear_stale_build_lock(lock, speak=True, wait_s=30)
+    jit_cache.clear_stale_build_lock(lock, speak=True, wait_s=30)
     assert "another node building into a shared cache?" in capsys.readouterr().out
 
 
@@ -513,12 +514,12 @@ def test_an_unwritable_jit_cache_is_one_line(tmp_path, monkeypatch, files):
     cfg = train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(files / "a_file" / "ext"))
     with pytest.raises(ValueError, match=re.escape(f"the JIT extension cache {files}/a_file/ext is not writable")):
-        train_grpo.check_jit_cache(cfg, 0)
+        jit_cache.check_jit_cache(cfg, 0)
     # on CUDA nothing is JIT-built by default (torch's fused AdamW); optimizer offload builds CPU Adam
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert train_grpo.jit_ops(train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)) == []
+    assert jit_cache.jit_ops(train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)) == []
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    assert train_grpo.jit_ops(cfg) == ["cpu_adam"]
+    assert jit_cache.jit_ops(cfg) == ["cpu_adam"]
 
 
 # ----------------------------------------------------------------------------------------------------
