@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import resource
 import shutil
@@ -109,16 +108,29 @@ def parse_args() -> argparse.Namespace:
                    help="--update-only: response tokens, drawn uniformly from [len/2, len]")
     p.add_argument("--logprob-batch-size", type=int, default=None,
                    help="--update-only: the forward-only batch (default: the trainer's, 4 x --micro-batch-size)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="--update-only: the trainer's token budget per micro-batch (default: the trainer's: on CUDA "
+                        "sized from the free memory, on the CPU 0 = by --micro-batch-size)")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="--update-only: recompute activations in backward (the trainer's default on CUDA)")
     p.add_argument("--force-release", action="store_true",
                    help="--update-only: ZeRO-3 releases every parameter after use, as it does for models above "
                         "stage3_max_reuse_distance (1e9 elements: 1.5B and up)")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU (CUDA: default the table)")
     args = p.parse_args()
-    if args.micro_batch_size is None:  # the trainer's default outside the offline tasks
-        args.micro_batch_size = T.parse_args(["--model", "Qwen/Qwen2.5-Math-7B"]).micro_batch_size \
-            if args.update_only else 64
-    if args.logprob_batch_size is None:
-        args.logprob_batch_size = T.parse_args(["--micro-batch-size", str(args.micro_batch_size)]).logprob_batch_size
+    sizes = ("micro_batch_size", "micro_batch_tokens", "logprob_batch_size")
+    if args.update_only:  # the trainer's defaults outside the offline tasks, for this device
+        given = [x for k in sizes if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}",
+                                                                          str(getattr(args, k)))]
+        trainer = T.parse_args(["--model", "Qwen/Qwen2.5-Math-7B", *given])
+        for k in sizes:
+            setattr(args, k, getattr(trainer, k))
+    else:
+        if args.micro_batch_tokens is not None:
+            p.error("--micro-batch-tokens applies to --update-only (the step benchmark times --micro-batch-size)")
+        args.micro_batch_size, args.micro_batch_tokens = args.micro_batch_size or 64, 0
+        if args.logprob_batch_size is None:
+            args.logprob_batch_size = 4 * args.micro_batch_size
     try:
         check_args(args)
     except ValueError as e:
@@ -138,13 +150,24 @@ def check_args(args: argparse.Namespace) -> None:
     """Every setting that cannot run, in one line, before any engine, probe or timing starts."""
     for k in ("prompts_per_rank", "micro_batch_size", "max_prompt_len", "max_response_len", "repeats", "reward_n",
               "logprob_chunk", "logprob_batch_size"):
-        if getattr(args, k) < 1:
+        if getattr(args, k) is not None and getattr(args, k) < 1:  # None: no cap but the token budget
             raise ValueError(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
+    if (args.micro_batch_tokens or 0) < 0:
+        raise ValueError(f"--micro-batch-tokens must be >= 0 (got {args.micro_batch_tokens})")
     if args.group_size < 2:
         raise ValueError(f"--group-size must be at least 2 (got {args.group_size}): advantages compare a group's "
                          "responses")
     if args.peer_steps < 2:
         raise ValueError(f"--peer-steps must be at least 2 (got {args.peer_steps}): the first one warms up")
+    T.check_finite(args)
+    if args.peak_tflops is not None and not 0 < args.peak_tflops <= 1e6:
+        raise ValueError(f"--peak-tflops must be in (0, 1e6] (got {args.peak_tflops:g}): one device's peak TFLOP/s")
+    for k in ("prompt_len", "response_len"):
+        if getattr(args, k) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
+    if args.update_responses < 8 or args.update_responses % 8:  # aggregation_weights over groups of 8
+        raise ValueError(f"--update-responses must be a positive multiple of 8, the benchmark's group size (got "
+                         f"{args.update_responses})")
     hidden = args.sync_hidden.split(",") if args.sync_hidden else []
     if not all(h.strip().isdigit() and int(h) > 0 and int(h) % 64 == 0 for h in hidden):
         raise ValueError(f"--sync-hidden {args.sync_hidden!r}: comma-separated multiples of 64 (the head size)")
@@ -152,13 +175,19 @@ def check_args(args: argparse.Namespace) -> None:
 
     if args.model not in TASKS and not os.path.isdir(args.model) and not is_hub_id(args.model):
         raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir, a hub id, or demo / lab)")
+    if args.model not in TASKS and os.path.isdir(args.model) and (problem := T.model_dir_problem(args.model)):
+        raise ValueError(f"--model {args.model}: {problem}")
     from data.prepare import DATASETS
 
     if args.dataset not in (*TASKS, "demo-test", *DATASETS) and not os.path.exists(args.dataset) and \
             not is_hub_id(args.dataset):
         raise ValueError(f"--dataset {args.dataset}: not a file, a hub name, or one of demo, {', '.join(DATASETS)}")
+    if os.path.isdir(args.dataset):
+        raise ValueError(f"--dataset {args.dataset} is a directory; give a prepared .jsonl file or a name")
     if Path(args.out).is_dir() or not Path(args.out).resolve().parent.is_dir():
         raise ValueError(f"--out {args.out}: must be a file in an existing directory (the JSON results)")
+    if not os.access(Path(args.out).resolve().parent, os.W_OK):  # a read-only one: after the whole benchmark
+        raise ValueError(f"--out {args.out}: its directory is not writable")
 
 
 def best_of(n: int, fn) -> float:
@@ -356,10 +385,11 @@ def bare_update(engine, batch: list[dict], micro: int, pad_id: int, device) -> N
         engine.step()
 
 
-def padding_share(batch: list[dict], micro: int) -> float:
-    order = sorted(len(r["tokens"]) for r in batch)
-    padded = sum(max(order[s : s + micro]) * len(order[s : s + micro]) for s in range(0, len(order), micro))
-    return 1 - sum(order) / padded
+def padding_share(batch: list[dict], max_rows: int | None, max_tokens: int = 0) -> float:
+    """The share of pad tokens in the update's micro-batches (T.micro_batches: rows x the longest each)."""
+    lens = [len(r["tokens"]) for r in batch]
+    parts = T.micro_batches(lens, max_rows, max_tokens)
+    return 1 - sum(lens) / sum(len(b) * lens[b[-1]] for b in parts)
 
 
 def time_sync(args, model_dir: Path, rank: int, local_rank: int, world: int) -> dict:
@@ -449,9 +479,13 @@ def update_benchmark(args) -> None:
     dschf = HfDeepSpeedConfig(cfg)  # noqa: F841  (from_config builds the model partitioned, under zero.Init)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     engine.train()
+    if args.micro_batch_tokens is None:  # CUDA: as the trainer sizes it at its first update
+        args.micro_batch_tokens = T.token_budget(config, torch.cuda.mem_get_info()[0], args.gradient_checkpointing,
+                                                 args.logprob_chunk)
     rollouts = synthetic_rollouts(n, args.prompt_len, args.response_len, config.vocab_size, 1000 + rank)
     args.pad_id = 0
     adv = torch.tensor([r["advantage"] for r in rollouts], dtype=torch.float64)
@@ -475,7 +509,8 @@ def update_benchmark(args) -> None:
     peak = peak or (args.peak_tflops * 1e12 if args.peak_tflops else None)
     tokens = sum(len(r["tokens"]) for r in rollouts)
     flop_rate = model_flops([len(r["tokens"]) for r in rollouts]) / t_update
-    # forward-only log-probs (fill_logprobs), at the update's micro-batch and at the forward-only batch
+    # forward-only log-probs (fill_logprobs), at the update's micro-batch and at the forward-only batch (by
+    # the token budget alone where there is one)
     forward = {}
     for batch in dict.fromkeys([args.micro_batch_size, args.logprob_batch_size]):
         fwd_args = argparse.Namespace(**{**vars(args), "logprob_batch_size": batch})
@@ -483,12 +518,17 @@ def update_benchmark(args) -> None:
         seconds = timed(fill)
         with count_gathers() as gathered:
             fill()
-        forward[batch] = {"seconds": seconds, "passes": math.ceil(n / batch),
-                          "gathered_x_params": gathered[0] / n_params}
+        passes = len(T.rank_micro_batches(rollouts, batch, args.micro_batch_tokens))
+        forward[batch or "budget"] = {"seconds": seconds, "passes": passes,
+                                      "gathered_x_params": gathered[0] / n_params}
     tot = T.all_reduce([tokens / t_update, flop_rate, *(f["seconds"] for f in forward.values())])
     slowest = T.all_reduce([t_update, peak_gib or 0.0], "max").tolist()
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "world": world, "shape": args.shape,
            "params_b": n_params / 1e9, "responses_per_rank": n, "micro_batch_size": args.micro_batch_size,
+           "micro_batch_tokens": args.micro_batch_tokens, "logprob_chunk": args.logprob_chunk,
+           "gradient_checkpointing": args.gradient_checkpointing,
+           "micro_batches": len(T.rank_micro_batches(rollouts, args.micro_batch_size, args.micro_batch_tokens)),
+           "padding_share": padding_share(rollouts, args.micro_batch_size, args.micro_batch_tokens),
            "prompt_len": args.prompt_len, "response_len": args.response_len, "force_release": args.force_release,
            "update_s": slowest[0], "tokens_per_s": tot[0].item() / world, "tflops": tot[1].item() / world / 1e12,
            "mfu": tot[1].item() / world / peak if peak else None, "peak_tflops": peak / 1e12 if peak else None,
@@ -497,8 +537,10 @@ def update_benchmark(args) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps(res, indent=1))
         print(f"\nupdate benchmark ({res['device']}, {world} rank(s), {args.shape}: {res['params_b']:.2f}B parameters, "
-              f"random weights; ZeRO-3 {'bf16' if cuda else 'fp32'}, gradient checkpointing, {n} responses of "
-              f"{args.prompt_len} + <= {args.response_len} tokens per rank, micro-batch {args.micro_batch_size}); "
+              f"random weights; ZeRO-3 {'bf16' if cuda else 'fp32'}, gradient checkpointing "
+              f"{'on' if args.gradient_checkpointing else 'off'}, {n} responses of {args.prompt_len} + <= "
+              f"{args.response_len} tokens per rank, micro-batches of at most {args.micro_batch_size or 'any'} "
+              f"responses and {args.micro_batch_tokens or 'any'} tokens, log-prob chunk {args.logprob_chunk}); "
               f"full numbers in {args.out}")
         mfu = f"{res['mfu']:.3f} (peak {res['peak_tflops']:.3g} TFLOP/s)" if res["mfu"] is not None \
             else "needs --peak-tflops"
@@ -506,6 +548,7 @@ def update_benchmark(args) -> None:
         print("| update, per device | value |\n|---|---|")
         print(f"| tokens/s | {res['tokens_per_s']:.0f} |\n| model TFLOP/s | {res['tflops']:.4g} |\n| MFU | {mfu} |")
         print(f"| seconds per update | {res['update_s']:.3f} |\n| peak memory | {memory} |")
+        print(f"| micro-batches | {res['micro_batches']} |\n| padding share | {res['padding_share']:.3f} |")
         print("| forward-only log-probs (fill_logprobs) | seconds | passes | ZeRO-3 gathered, x params |\n"
               "|---|---|---|---|")
         for b, f in res["forward_only"].items():
@@ -603,7 +646,7 @@ def main() -> None:
     flops = model_flops([len(r["tokens"]) for r in rollouts])
     n_tokens = sum(len(r["tokens"]) for r in rollouts)
     results["update"] = {"trainer_s": t_update, "bare_s": t_bare_update, "ratio": t_update / t_bare_update,
-                         "padding_share": padding_share(rollouts, args.micro_batch_size),
+                         "padding_share": padding_share(rollouts, args.micro_batch_size, args.micro_batch_tokens),
                          "tflop_per_s": flops / t_update / 1e12, "mfu": flops / t_update / peak if peak else None,
                          "train_tokens_per_s": n_tokens / t_update,
                          "gen_tokens_per_s": sum(r["length"] for r in rollouts) / t_trainer}

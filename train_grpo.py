@@ -103,7 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--group-size", type=int, default=16, help="G: responses sampled per prompt")
     a("--prompts-per-step", type=int, default=512, help="prompts per rollout batch, over all ranks")
     a("--minibatches", type=int, default=16, help="optimizer updates per rollout batch")
-    a("--micro-batch-size", type=int, default=4, help="responses per forward/backward per rank")
+    a("--micro-batch-size", type=int, default=None,
+      help="responses per forward/backward per rank at most (default 4; with a token budget: no cap but it)")
+    a("--micro-batch-tokens", type=int, default=None,
+      help="padded tokens per forward/backward per rank: micro-batches of length-sorted responses filled up to it "
+           "(default: on CUDA sized from the free memory at the first update, README: GPU; on the CPU 0 = off)")
     a("--lr", type=float, default=1e-6)
     a("--lr-warmup-steps", type=int, default=10, help="rollout steps of linear warm-up")
     a("--weight-decay", type=float, default=0.1)
@@ -146,9 +150,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ds-config", default=str(ROOT / "ds_config.json"))
     a("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
       help="recompute activations in backward (default: on with CUDA, where 7B activations do not fit without it)")
-    a("--logprob-chunk", type=int, default=256, help="tokens per lm_head chunk in log-prob computation")
+    a("--logprob-chunk", type=int, default=None,
+      help="tokens per lm_head chunk in log-prob computation (default 1024 on CUDA, 256 on the CPU)")
     a("--logprob-batch-size", type=int, default=None,
-      help="responses per forward-only pass (old and reference log-probs) per rank; default 4 x --micro-batch-size")
+      help="responses per forward-only pass (old and reference log-probs) per rank; default 4 x --micro-batch-size "
+           "(with a token budget: no cap but it)")
+    a("--deterministic", action="store_true",
+      help="bit-exact reruns of the update on CUDA: deterministic kernels, eager attention (slower; README: GPU)")
     a("--rollout-seed", default="request", choices=["request", "engine"],
       help="request: each prompt's samples seeded by (seed, step, prompt), whatever the sharding; engine: each "
            "engine's own stream, seeded by --seed + rank (README: GPU)")
@@ -162,11 +170,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if pre.model in OFFLINE_DEFAULTS:
         p.set_defaults(**OFFLINE_DEFAULTS[pre.model])
     args = p.parse_args(argv)
+    # the flags the command gives, as opposed to defaults: a run whose record predates a flag keeps the value
+    # it was trained with unless it is given (BEFORE_FLAG), and a flag that needs another is refused alone
+    unset = object()
+    given = p.parse_args(argv, argparse.Namespace(**{action.dest: unset for action in p._actions}))
+    args.flags_given = sorted(k for k, v in vars(given).items() if v is not unset)
     for k, v in POLICY_LOSS_DEFAULTS[args.policy_loss].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.logprob_batch_size is None:  # no activations kept for a backward: a larger batch fits
-        args.logprob_batch_size = 4 * args.micro_batch_size
+    cuda = torch.cuda.is_available()
+    if args.logprob_chunk is None:  # [chunk x vocab] fp32 logits at a time: 0.6 GiB at 1024 x 152k
+        args.logprob_chunk = 1024 if cuda else 256
+    if args.micro_batch_tokens is None and not cuda:  # CUDA: sized once the engines hold their memory
+        args.micro_batch_tokens = 0
+    if args.micro_batch_size is None and args.micro_batch_tokens == 0:
+        args.micro_batch_size = 4
+    if args.logprob_batch_size is None and args.micro_batch_size is not None:
+        args.logprob_batch_size = 4 * args.micro_batch_size  # no activations kept for a backward: more fit
     if args.output_dir is None:
         args.output_dir = f"runs/{Path(args.model).name}-{args.agg}"
     return args
@@ -182,6 +202,26 @@ def check_finite(args: argparse.Namespace) -> None:
 
 
 SEED_MAX = 2**31 - 1  # vLLM seeds NumPy with seed + rank, and NumPy takes [0, 2^32)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def model_dir_problem(path: str) -> str | None:
+    """What a local model folder lacks that the loaders need, in words (transformers names neither:
+    "Couldn't instantiate the backend tokenizer from one of:"); None when it has config.json and a tokenizer."""
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        return "no config.json in it (a Hugging Face model folder holds config.json, weights and tokenizer files)"
+    try:
+        text = (d / "config.json").read_text()
+        config = json.loads(text) if text.strip() else None
+    except (OSError, ValueError) as e:
+        return f"its config.json cannot be read ({first_line(e)})"
+    if not isinstance(config, dict) or not config:
+        return "its config.json is empty" if not text.strip() else "its config.json is not a JSON object of settings"
+    if not any((d / f).exists() for f in TOKENIZER_FILES) and not any(d.glob("*.tiktoken")):
+        return (f"no tokenizer files in it ({', '.join(TOKENIZER_FILES[:2])}, ...): copy them from the model it was "
+                "trained from")
+    return None
 
 
 def check_args(args: argparse.Namespace, world: int) -> None:
@@ -192,8 +232,11 @@ def check_args(args: argparse.Namespace, world: int) -> None:
                   "eval_interval", "eval_samples", "eval_limit", "save_interval", "max_bad_steps", "reward_workers",
                   "max_sample_rounds", "logprob_batch_size", "vllm_max_num_seqs"]
     for k in at_least_1:
-        if getattr(args, k) < 1:
+        if getattr(args, k) is not None and getattr(args, k) < 1:  # None: no cap but the token budget
             raise ValueError(f"{flag(k)} must be at least 1 (got {getattr(args, k)})")
+    if (args.micro_batch_tokens or 0) < 0:
+        raise ValueError(f"--micro-batch-tokens must be >= 0 (got {args.micro_batch_tokens}; 0: by "
+                         "--micro-batch-size alone)")
     if args.keep_last < 1:
         raise ValueError(f"--keep-last must be at least 1 (got {args.keep_last}): a resume needs the newest full "
                          "state; give a number above --steps / --save-interval to keep them all")
@@ -212,6 +255,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
                                "in [0, 1]" if cispo else "in [0, 1)"),
               "sapo_tau_pos": (args.sapo_tau_pos is None or args.sapo_tau_pos > 0, "> 0"),
               "sapo_tau_neg": (args.sapo_tau_neg is None or args.sapo_tau_neg > 0, "> 0"),
+              "weight_decay": (args.lr * args.weight_decay < 1, "< 1 / --lr (AdamW scales the weights by 1 - lr x "
+                               "weight decay at every update)"),
               "vllm_gpu_memory": (0 < args.vllm_gpu_memory < 1, "in (0, 1)"),
               "rollout_correction_cap": (args.rollout_correction_cap > 1, "> 1"),
               "overlong_buffer": (args.overlong_buffer <= args.max_response_len, "at most --max-response-len"),
@@ -220,6 +265,23 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     for k, (ok, rule) in ranges.items():
         if not ok:
             raise ValueError(f"{flag(k)} must be {rule} (got {getattr(args, k)})")
+    # Finite in float64 is not enough: these reach float32 tensors (clamp bounds, SAPO's gate, the loss) and
+    # vLLM's sampler, where 1e39 is inf; the bounds lie far past any useful value.
+    bounds = {"clip_eps_high": (0, 1e4, "a wider clip clips nothing more; 1 + eps must fit a float32 ratio"),
+              "rollout_correction_cap": (1, 1e4, "a higher cap truncates nothing more; it must fit float32"),
+              "sapo_tau_pos": (1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
+              "sapo_tau_neg": (1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
+              "kl_coef": (0, 1e4, "it scales float32 per-token terms"),
+              "overlong_penalty": (0, 1e4, "the 0/1 scores must not vanish next to it in the reward"),
+              "temperature": (0.01, 100, "vLLM samples at 0.01 below it, and uniformly long before 100"),
+              "peak_tflops": (0, 1e6, "TFLOP/s of one device")}
+    for k, (lo, hi, why) in bounds.items():
+        v = getattr(args, k)
+        if v is not None and not lo <= v <= hi:
+            raise ValueError(f"{flag(k)} must be in [{lo:g}, {hi:g}] (got {v:g}): {why}")
+    if "overlong_penalty" in getattr(args, "flags_given", ()) and not args.overlong_buffer:
+        raise ValueError("--overlong-penalty has no effect without --overlong-buffer N (the last N tokens before "
+                         "--max-response-len, over which the penalty grows to it)")
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: group advantages compare a response with its siblings")
     if args.prompts_per_step < world:
@@ -235,6 +297,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise ValueError("--model is empty (need a checkpoint dir, a hub id, or demo / lab / lab-nogap)")
     if args.model not in OFFLINE_DEFAULTS and not os.path.isdir(args.model) and not is_hub_id(args.model):
         raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir or a hub id)")
+    if args.model not in OFFLINE_DEFAULTS and os.path.isdir(args.model) and (problem := model_dir_problem(args.model)):
+        raise ValueError(f"--model {args.model}: {problem}")
     accelerator = os.environ.get("DS_ACCELERATOR")
     if accelerator is not None and accelerator not in ("cuda", "cpu", "xpu", "npu", "mps", "hpu", "mlu"):
         raise ValueError(f"DS_ACCELERATOR={accelerator} is not an accelerator DeepSpeed knows (cpu, cuda, ...)")
@@ -488,6 +552,45 @@ def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device
     return ids.to(device), attn.to(device), resp.to(device)
 
 
+PAD_SHARE = 0.05  # with a token budget: a micro-batch is cut before its padding exceeds this share
+
+
+def micro_batches(seq_lens: list[int], max_rows: int | None, max_tokens: int = 0, count: int = 0) -> list[list[int]]:
+    """The micro-batches of one pass, as index lists: responses sorted by length (prompt + response), cut into
+    runs of at most `max_rows`; with a token budget (max_tokens > 0) also of at most `max_tokens` padded tokens
+    (rows x the longest) and PAD_SHARE of padding, as verl's dynamic batch size. Then the one with most padded
+    tokens is halved until there are `count`: ZeRO-3 gathers the weights in every forward, so every rank
+    must make as many. The gradient is a sum over responses: any partition gives the same one."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    rows = max_rows or len(order)
+    if not max_tokens:
+        parts = [order[s : s + rows] for s in range(0, len(order), rows)]
+    else:
+        parts, real = [], 0
+        for i in order:
+            n, width = len(parts[-1]) + 1 if parts else 0, seq_lens[i]
+            if not parts or n > rows or n * width > max_tokens or real + width < (1 - PAD_SHARE) * n * width:
+                parts.append([])
+                real = 0
+            parts[-1].append(i)
+            real += width
+    padded = lambda b: len(b) * seq_lens[b[-1]]  # noqa: E731  (each part's last response is its longest)
+    while len(parts) < count:
+        k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: padded(parts[j]))
+        b = parts[k]
+        parts[k : k + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
+    return parts
+
+
+def rank_micro_batches(batch: list[dict], max_rows: int | None, max_tokens: int) -> list[list[int]]:
+    """micro_batches of this rank's responses, as many on every rank (one all-reduce, only with a budget)."""
+    lens = [len(r["tokens"]) for r in batch]
+    parts = micro_batches(lens, max_rows, max_tokens)
+    if max_tokens:
+        parts = micro_batches(lens, max_rows, max_tokens, int(all_reduce([len(parts)], "max").item()))
+    return parts
+
+
 # -----------------------------------------------------------------------------
 # The ZeRO-3 update on one mini-batch
 
@@ -502,12 +605,11 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
     """
     sums, skipped_before = defaultdict(float), engine.skipped_steps
     log_cap = math.log(args.rollout_correction_cap)
-    order = sorted(range(len(batch)), key=lambda i: len(batch[i]["tokens"]))  # bucket by length
-    for start in range(0, len(order), args.micro_batch_size):
-        idx = order[start : start + args.micro_batch_size]
+    parts = rank_micro_batches(batch, args.micro_batch_size, args.micro_batch_tokens)
+    for k, idx in enumerate(parts):
         mb = [batch[i] for i in idx]
         # the optimizer steps after the mini-batch's last micro-batch, however many a short step has
-        engine.set_gradient_accumulation_boundary(start + args.micro_batch_size >= len(order))
+        engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
         ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
         logp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk)
         n_tok = torch.tensor([r["length"] for r in mb], device=device)
@@ -537,6 +639,19 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
     return sums
 
 
+def token_budget(config, free_bytes: int, checkpointing: bool, chunk: int) -> int:
+    """--micro-batch-tokens on CUDA by default: half the memory free once the engines hold theirs (vLLM
+    asleep), less the log-prob chunk's fp32 logits (three [chunk x vocab] tensors), over an estimate of the
+    bf16 activations a token keeps: with checkpointing each layer's input (2 h bytes) and one layer being
+    recomputed; without, every layer's (attention and norms ~10 h, MLP ~4 i values). Ranks may differ: each
+    evens out its count of micro-batches with the others (rank_micro_batches)."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    layer = 2 * (10 * h + 4 * i)
+    per_token = 2 * h * (layers + 2) + layer if checkpointing else layer * layers
+    tokens = (free_bytes // 2 - 12 * chunk * config.vocab_size) // per_token
+    return int(max(tokens, 1024))
+
+
 def nonfinite_weights(engine) -> int:
     """Non-finite weights over all ranks (each counts its own ZeRO-3 partition, no gather; one device sync)."""
     counts = [(~torch.isfinite(getattr(p, "ds_tensor", p))).sum() for p in engine.module.parameters()]
@@ -549,11 +664,11 @@ def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
 
     A forward-only pass keeps no activations for a backward, so it takes a larger batch than the
     update's micro-batch; under ZeRO-3 every forward gathers every parameter, so fewer passes
-    gather less (README: Step benchmark). Batches are bucketed by length, as the update's are.
+    gather less (README: Step benchmark). Batches are bucketed by length and cut by the token budget (the
+    update's: the hidden states of every layer are returned, as many bytes as the update's checkpoints).
     """
-    order = sorted(rollouts, key=lambda r: len(r["tokens"]))
-    for start in range(0, len(order), args.logprob_batch_size):
-        mb = order[start : start + args.logprob_batch_size]
+    for idx in rank_micro_batches(rollouts, args.logprob_batch_size, args.micro_batch_tokens):
+        mb = [rollouts[i] for i in idx]
         ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
         lp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk).float().cpu()
         for r, x in zip(mb, lp.split([r["length"] for r in mb])):
@@ -791,7 +906,7 @@ def score(rollouts: list[dict], args, stats: dict) -> None:
 
 
 def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, rank: int, world: int,
-                timer: dict, reward_stats: dict) -> tuple[list[dict], list[int], dict[str, float]]:
+                timer: dict, reward_stats: dict, progress=None) -> tuple[list[dict], list[int], dict[str, float]]:
     """This rank's share of the step's groups, scored; the data order left; the sampling's metrics.
 
     One round: --prompts-per-step prompts P, prompt j of rank r being the step's prompt r P/world + j.
@@ -800,6 +915,7 @@ def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, 
     P are kept or --max-sample-rounds have run. The first P kept, in sampling order, are the step's,
     dealt to the ranks as a plain step's prompts are (deal_groups): which groups a step trains on does
     not depend on the number of ranks. None kept: the last round's groups, which carry no signal.
+    progress(text): told the rounds so far and the groups kept, from the second round on.
     """
     P, G, n = args.prompts_per_step, args.group_size, args.prompts_per_step // world
     held, kept, correct = {}, [], 0.0
@@ -818,6 +934,8 @@ def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, 
         correct += sum(r["score"] >= 1 for r in rollouts)
         if len(kept) >= P:
             break
+        if progress is not None and rnd + 1 < args.max_sample_rounds:  # many rounds must not look like a hang
+            progress(f"sampling round {rnd + 2}/{args.max_sample_rounds}, {len(kept)}/{P} groups kept")
     rounds, batch = rnd + 1, deal_groups(held, kept, P, args.minibatches, rank, world)
     accuracy = all_reduce([correct]).item() / (rounds * P * G)
     return batch or rollouts, order, {"sample/rounds": rounds, "sample/prompts": rounds * P,
@@ -902,6 +1020,16 @@ def seed_rngs(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def make_deterministic() -> None:
+    """--deterministic: the update's kernels give the same bits on every rerun (CUDA's atomics-based
+    backward kernels swapped for deterministic ones; cuBLAS's workspace fixed, which it reads when its
+    first handle is made, so call this before any CUDA work). An op with no deterministic version warns,
+    naming itself, rather than stopping a run; tests/test_gpu.py demands a bit-exact redo of the update."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
 def rng_state() -> dict:
@@ -1079,7 +1207,11 @@ def load_training_state(engine, ckpt: Path, rank: int) -> dict:
 # may differ between the launches of one run (the directory is the run, wherever it is)
 RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
                     "keep_last", "max_bad_steps", "output_dir", "report_to", "peak_tflops", "vllm_gpu_memory",
-                    "vllm_max_num_seqs", "logprob_batch_size"}  # the last three: memory and speed, not the run
+                    "vllm_max_num_seqs", "logprob_batch_size", "micro_batch_tokens",
+                    "deterministic", "flags_given"}  # from peak_tflops on: memory, speed, kernels, the flags typed
+# Flags added after runs were made, with the value such a run was trained with where today's default differs:
+# a record without the flag holds this value, and a launch that does not give the flag resumes with it.
+BEFORE_FLAG = {"code_reward": "fraction"}  # code scored the pass fraction before --code-reward (issue 27)
 # may differ after --resume, which continues a run with them changed (optimisation knobs, lengths the data
 # order does not depend on, evaluation); every other argument is the run's identity and never changes
 RESUME_MAY_CHANGE = {"lr", "lr_warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high", "sapo_tau_pos",
@@ -1102,9 +1234,10 @@ def run_identity(args: dict) -> dict:
 
 def identity_changes(old: dict, new: dict) -> tuple[dict, list[str], list[str]]:
     """(the recorded identity `old` with any argument it lacks at its default, as when it was added to the
-    trainer after the run was written; the arguments no resume may change and those only --resume may
-    change, on which it differs from this launch's identity `new`)."""
-    old = {**run_identity(vars(parse_args(["--model", str(new.get("model", "demo"))]))), **old}
+    trainer after the run was written (BEFORE_FLAG's value where the run was trained with another); the
+    arguments no resume may change and those only --resume may change, on which it differs from this
+    launch's identity `new`)."""
+    old = {**run_identity(vars(parse_args(["--model", str(new.get("model", "demo"))]))), **BEFORE_FLAG, **old}
     differ = [k for k in sorted(new) if old.get(k) != new[k]]
     return old, [k for k in differ if k not in RESUME_MAY_CHANGE], [k for k in differ if k in RESUME_MAY_CHANGE]
 
@@ -1129,7 +1262,13 @@ def lock_output_dir(out_dir: Path) -> None:
     path = out_dir.resolve() / "run.lock"
     if str(path) in _HELD_LOCKS:
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, where the run's lock file goes: remove it, or use another "
+                         "--output-dir")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot open the run's lock file ({first_line(e)})") from None
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -1150,7 +1289,10 @@ def lock_output_dir(out_dir: Path) -> None:
 def logged_lines(path: Path) -> list[tuple[int, str]]:
     """(step, line) of each line of a metrics.jsonl. A last line cut short (a kill while it was written) is
     dropped; any other line that is not a JSON object with an integer step is a one-line error."""
-    lines = path.read_bytes().split(b"\n") if path.exists() else []
+    try:
+        lines = path.read_bytes().split(b"\n") if path.exists() else []
+    except OSError as e:  # a directory in its place, an unreadable file
+        raise ValueError(f"{path}: {first_line(e)}; the run's log must be a readable file") from None
     out = []
     for i, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -1179,6 +1321,10 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
     """
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--output-dir {out_dir} is a file, not a directory")
+    for link in (out_dir, *out_dir.parents):  # mkdir says only "File exists" of a link to nothing
+        if link.is_symlink() and not link.exists():
+            raise ValueError(f"--output-dir {out_dir}: {link} is a symbolic link to {os.readlink(link)}, which does "
+                             "not exist; create its target, or use another --output-dir")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".write-test-")  # unique across nodes
@@ -1197,9 +1343,16 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
     if record is None and (out_dir / "args.json").exists():
         try:
             record, where = run_identity(json.loads((out_dir / "args.json").read_text())), out_dir
-        except ValueError:
-            raise ValueError(f"{out_dir / 'args.json'} is not valid JSON: repair or remove it") from None
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{out_dir / 'args.json'} cannot be read as JSON ({first_line(e)}): repair or remove "
+                             "it") from None
     if record is not None:
+        for k, before in BEFORE_FLAG.items():  # a run older than the flag goes on as it was trained
+            if k not in record and k not in getattr(args, "flags_given", ()) and getattr(args, k) != before:
+                setattr(args, k, before)
+                if int(os.environ.get("RANK", "0")) == 0:
+                    print(f"[grpo] {where} predates --{k.replace('_', '-')}: it goes on with --{k.replace('_', '-')} "
+                          f"{before}, as it was trained (README: Rewards)", flush=True)
         new = run_identity(vars(args))
         record, never, unless_resume = identity_changes(record, new)
         if never:
@@ -1252,9 +1405,10 @@ def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
         raise ValueError(f"--ds-config {args.ds_config}: ZeRO stage {stage}; this trainer runs ZeRO-3 only "
                          "(set zero_optimization.stage to 3; offload options stay available)")
     per_rank = args.prompts_per_step // world * args.group_size // args.minibatches
-    gas = math.ceil(per_rank / args.micro_batch_size)
-    sizes = dict(train_micro_batch_size_per_gpu=args.micro_batch_size, gradient_accumulation_steps=gas,
-                 train_batch_size=args.micro_batch_size * gas * world)
+    micro = args.micro_batch_size or 1  # DeepSpeed's bookkeeping only: update_minibatch sets each boundary
+    gas = math.ceil(per_rank / micro)
+    sizes = dict(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas,
+                 train_batch_size=micro * gas * world)
     for k, v in sizes.items():  # batch sizes come from the flags; a config may only agree with them
         if k in cfg and cfg[k] not in (v, "auto"):
             raise ValueError(f"--ds-config sets {k}={cfg[k]} but the flags imply {v}; remove it from the config")
@@ -1368,8 +1522,10 @@ def build_trainer(args, model_path: str, ds_config: dict):
     cuda = torch.cuda.is_available()
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841  (makes from_pretrained load partitioned)
     dtype = torch.bfloat16 if cuda else torch.float32
+    # --deterministic: eager attention, whose backward is plain matmuls (flash / memory-efficient use atomics)
+    attention = {"attn_implementation": "eager"} if getattr(args, "deterministic", False) else {}
     try:
-        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attention)
     except Exception as e:  # a damaged or missing weights file, of whatever error type the loader raises
         sys.exit(f"train_grpo.py: error: cannot load the model from {model_path} ({first_line(e)})")
     if args.gradient_checkpointing or (args.gradient_checkpointing is None and cuda):
@@ -1382,7 +1538,7 @@ def build_trainer(args, model_path: str, ds_config: dict):
     ref_engine = None
     if args.kl_coef > 0:
         ref_cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
-        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attention).eval()
         ref_engine = deepspeed.initialize(model=ref, config=ref_cfg)[0]
     return engine, ref_engine
 
@@ -1636,6 +1792,8 @@ def one_line_early_ends(train):
 @one_line_early_ends
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.deterministic:
+        make_deterministic()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", "0")) == 0 and (line := pin_mismatch(installed_versions())):
         print(line, flush=True)
@@ -1684,10 +1842,17 @@ def main(argv: list[str] | None = None) -> None:
     for step in bar:
         timer, rstats = {}, {}
         # 1-2. rollout and reward: this rank's share of the step's prompts, G scored responses each
-        rollouts, order, sampling = sample_step(llm, train_rows, order, args, step, rank, world, timer, rstats)
+        rollouts, order, sampling = sample_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
+                                                lambda text: bar.set_postfix_str(text, refresh=True))
         if cuda:  # level 2: weights discarded, not copied to host (the sync reloads them); KV cache to training
             llm.sleep(level=2)
             torch.cuda.empty_cache()
+            if args.micro_batch_tokens is None:  # what is free now is what the update has
+                args.micro_batch_tokens = token_budget(engine.module.config, torch.cuda.mem_get_info()[0],
+                                                       engine.module.is_gradient_checkpointing, args.logprob_chunk)
+                if rank == 0:
+                    print(f"[grpo] micro-batches of up to {args.micro_batch_tokens} tokens (--micro-batch-tokens)",
+                          flush=True)
 
         # 3. advantages within each group
         adv = group_advantages(torch.tensor([r["reward"] for r in rollouts], dtype=torch.float64), args.group_size,

@@ -61,6 +61,10 @@ CASES = [(agg, "ppo", 0) for agg in train_grpo.AGGS] + \
 # with the optimizer offloaded, whose step reads the accumulation boundary: a per-response rule, a mini-batch
 # rule, and dynamic sampling's boundaries set by hand (a policy loss does not touch the boundary)
 OFFLOAD_CASES = [("seq", "ppo", 0), ("token-batch", "ppo", 0), ("balanced", "ppo", 2), ("token-batch", "ppo", 1)]
+# with micro-batches cut by a token budget (--micro-batch-tokens) instead of MICRO: another partition per rank,
+# and ranks whose counts differ until rank_micro_batches evens them out
+TOKEN_CASES = [("balanced", "ppo", 0), ("token-batch", "ppo", 1)]
+TOKENS = 40
 
 
 def case_name(agg: str, loss: str, rounds: int) -> str:
@@ -78,7 +82,9 @@ def main() -> None:
     results = {}
     # each rule, each policy loss, dynamic sampling, and some again with ZeRO-3's optimizer offloaded to
     # the CPU (its step reads the accumulation-boundary flag that DeepSpeed's backward prologue sets)
-    for (agg, loss_name, rounds), offload in [(c, False) for c in CASES] + [(c, True) for c in OFFLOAD_CASES]:
+    runs = [(c, False, 0) for c in CASES] + [(c, True, 0) for c in OFFLOAD_CASES] + \
+        [(c, False, TOKENS) for c in TOKEN_CASES]
+    for (agg, loss_name, rounds), offload, tokens in runs:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         G = 4
         if rounds:
@@ -108,7 +114,8 @@ def main() -> None:
         engine._backward_prologue = lambda: prologues.append(1) or real_prologue()
         eps = {"gspo": (0.05, 0.05), "cispo": (1.0, 0.5)}.get(loss_name, (0.2, 0.28))
         args = argparse.Namespace(
-            micro_batch_size=micro, logprob_batch_size=4 * micro, pad_id=0, temperature=1.0, logprob_chunk=7,
+            micro_batch_size=None if tokens else micro, logprob_batch_size=None if tokens else 4 * micro,
+            micro_batch_tokens=tokens, pad_id=0, temperature=1.0, logprob_chunk=7,
             policy_loss=loss_name,
             clip_eps_low=eps[0], clip_eps_high=eps[1], sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0,
             rollout_correction="none", rollout_correction_cap=2.0, mask_truncated=False, group_size=G, agg=agg,
@@ -128,10 +135,13 @@ def main() -> None:
         for name, p in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([p]):
                 delta[name] = (p.data - before[name]).clone()
-        key = case_name(agg, loss_name, rounds) + ("-offload" if offload else "")
+        key = case_name(agg, loss_name, rounds) + ("-offload" if offload else "-tokens" if tokens else "")
+        parts = train_grpo.rank_micro_batches(local, args.micro_batch_size, tokens)
+        own = train_grpo.micro_batches([len(r["tokens"]) for r in local], None, tokens)
         results[key] = {"delta": delta, "loss": loss.item(), "prologues": len(prologues),
-                        "micro_steps": math.ceil(len(local) / micro), "responses": len(local) * world,
-                        "clipped": sums["clipped"]}
+                        "micro_steps": len(parts) if tokens else math.ceil(len(local) / micro),
+                        "responses": len(local) * world, "clipped": sums["clipped"],
+                        "evened": bool(train_grpo.all_reduce([tokens and len(own) != len(parts)], "max").item())}
     if rank == 0:
         torch.save(results, out)
 

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import LAUNCHER, ROOT, cpu_env
@@ -103,7 +104,11 @@ def test_update_path_without_vllm_resumes_exactly(tmp_path):
         assert c["checkpoint_problem"] is None and c["resumed_step"] == 1
         assert c["straight"]["ref_kl"] > 0 and c["straight"]["tokens"] > 64  # KL live, several log-prob chunks
         assert c["change"] > 0 and c["loaded_diff"] == 0 and c["redone_diff"] == 0  # exact on the CPU
-        assert c["again"] == c["straight"]
+        assert c["again"] == c["straight"] and c["redo_rel"] == 0
+        # CUDA's default-mode criterion (test_gpu.py) catches a resume that fails to restore Adam's moments or
+        # its step count: each moves the redo by far more than the tolerance
+        assert set(c["faults"]) == {"moments", "step"}
+        assert all(v > 2 * c["tolerance"] for v in c["faults"].values()), c["faults"]
 
 
 @pytest.mark.slow
@@ -117,6 +122,9 @@ def test_update_benchmark_prints_mfu_and_the_forward_only_batch_cuts_gathers(tmp
     r = json.loads(out.read_text())
     assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] == pytest.approx(r["tflops"] / 0.5)
     assert f"| MFU | {r['mfu']:.3f} (peak 0.5 TFLOP/s) |" in res.stdout
+    # the CPU's default: micro-batches of 4 length-sorted responses, no token budget; the padding they carry
+    assert (r["micro_batch_size"], r["micro_batch_tokens"], r["micro_batches"]) == (4, 0, 4)
+    assert 0 < r["padding_share"] < 0.2 and f"| padding share | {r['padding_share']:.3f} |" in res.stdout
     before, after = r["forward_only"]["4"], r["forward_only"]["16"]  # the micro-batch, the trainer's default
     assert (before["passes"], after["passes"]) == (4, 1)
     # every pass gathers every parameter (release forced, as at 7B): 4x fewer passes, 4x less gathered
@@ -132,3 +140,101 @@ def test_engine_seeding_leaves_requests_unseeded():
     seeded = [sampling_seed(7, 3, i, 4) for i in (0, 5)]
     assert [p.seed for p in sampling_params(4, 1.0, 1.0, 8, 7, 3, [0, 5])] == seeded
     assert parse_args(["--micro-batch-size", "3"]).logprob_batch_size == 12  # the forward-only default: 4 x
+
+
+def fake_wheel(wheels, name: str, version: str, requires: list[str]) -> None:
+    """A pure-Python wheel of `name` whose module reports `version`: what pip resolves, not what it runs."""
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": f'__version__ = "{version}"\n',
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(wheels / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+@pytest.mark.slow  # a venv and pip: about 10 s
+def test_gpu_check_installs_from_wheels_whatever_version_torch_reports(tmp_path):
+    """A node's torch reports 2.13.0+cu130 while its distribution (what pip matches) is 2.13.0, as PyPI's CUDA
+    builds do: holding the module's string made pip refuse DeepSpeed (ResolutionImpossible) on a real H200."""
+    node = tmp_path / "node"
+    subprocess.run(["python3", "-m", "venv", str(node)], check=True)
+    site = subprocess.run([str(node / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
+    (torch_dir := Path(site) / "torch").mkdir(parents=True)
+    (torch_dir / "__init__.py").write_text('__version__ = "2.13.0+cu130"\n')
+    (info := Path(site) / "torch-2.13.0.dist-info").mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0\n")
+    (info / "RECORD").write_text("torch/__init__.py,,\n")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    fake_wheel(wheels, "deepspeed", PINS["deepspeed"], ["torch>=2.0.0"])
+    res = gpu_check(str(node / "bin" / "python"), tmp_path, GPU_CHECK_FORCE="1", GPU_CHECK_WHEELS=str(wheels))
+    lines = res.stdout.splitlines()
+    assert "torch 2.13.0+cu130, transformers missing, pytest missing, deepspeed missing, vllm missing" in lines[0]
+    assert f"[gpu check] installed deepspeed=={PINS['deepspeed']}" in lines, res.stdout
+    assert f"deepspeed {PINS['deepspeed']}, vllm missing" in [x for x in lines if "torch 2.13.0+cu130" in x][-1]
+    # the node's torch is still its own: held, not replaced
+    assert (torch_dir / "__init__.py").read_text() == '__version__ = "2.13.0+cu130"\n' and info.exists()
+    assert res.returncode == 1 and lines[-1].endswith("nothing can run without torch and pytest in "
+                                                      f"{node / 'bin' / 'python'}")
+
+
+@pytest.mark.slow  # gpu_check.sh's imports: 5-10 s
+def test_gpu_check_fails_on_a_gpu_node_whose_torch_cannot_use_it(tmp_path):
+    """nvidia-smi sees a GPU that this CPU-only torch cannot use (a CPU build, or a driver too old for its
+    CUDA): every GPU test would skip, so the check fails in one line rather than pass having checked nothing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$1" in -L) echo "GPU 0: NVIDIA H200 (UUID: GPU-0)";; '
+                   '*) echo "0, NVIDIA H200, 143771 MiB, 580.159.04";; esac\n')
+    smi.chmod(0o755)
+    res = gpu_check(sys.executable, tmp_path, PATH=f"{bin_dir}:{cpu_env()['PATH']}")
+    lines = res.stdout.splitlines()
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "[gpu check] GPU 0, NVIDIA H200, 143771 MiB, 580.159.04" in lines
+    assert lines[-1] == (f"[gpu check] error: nvidia-smi sees 1 GPU(s) but torch 2.13.0+cpu in {sys.executable} "
+                         "cannot use them (a CPU build, or a driver older than its CUDA): nothing was checked")
+    assert not any("passed" in x or "skipped" in x for x in lines)  # no test ran to look like a pass
+
+
+def test_micro_batches_by_token_budget():
+    from bench_step import padding_share, synthetic_rollouts
+    from train_grpo import PAD_SHARE, micro_batches
+
+    rollouts = synthetic_rollouts(32, 512, 1536, 1000, seed=0)  # bench_step --update-only's defaults
+    lens = [len(r["tokens"]) for r in rollouts]
+    # no budget (the CPU's default): length-sorted runs of --micro-batch-size, as before the budget existed
+    order = sorted(range(32), key=lens.__getitem__)
+    assert micro_batches(lens, 4) == [order[i : i + 4] for i in range(0, 32, 4)]
+    for budget in (4096, 16384, 10**6):
+        parts = micro_batches(lens, None, budget)
+        assert sorted(i for b in parts for i in b) == list(range(32))  # every response once
+        assert all(len(b) == 1 or len(b) * lens[b[-1]] <= budget for b in parts)
+        assert padding_share(rollouts, None, budget) <= PAD_SHARE
+        assert all(1 - sum(lens[i] for i in b) / (len(b) * lens[b[-1]]) <= PAD_SHARE for b in parts)
+    assert len(micro_batches(lens, None, 10**6)) < 8  # a large budget: fewer, larger micro-batches than 4 rows
+    assert padding_share(rollouts, 4) <= PAD_SHARE
+    # evened out to another rank's count by halving the most padded, each response still once
+    parts = micro_batches(lens, None, 10**6, count=13)
+    assert len(parts) == 13 and sorted(i for b in parts for i in b) == list(range(32))
+    assert micro_batches([5] * 3, None, 100, count=3) == [[0], [1], [2]]
+
+
+def test_token_budget_is_sized_from_free_memory():
+    from types import SimpleNamespace
+
+    from bench_step import SHAPES
+    from train_grpo import token_budget
+
+    cfg = SimpleNamespace(**SHAPES["qwen2.5-3b"])
+    gib = 2**30
+    with_ckpt, without = token_budget(cfg, 80 * gib, True, 1024), token_budget(cfg, 80 * gib, False, 1024)
+    assert without < with_ckpt  # every layer's activations against one layer's
+    assert 50_000 < with_ckpt < 500_000 and token_budget(cfg, 160 * gib, True, 1024) > 1.9 * with_ckpt
+    assert token_budget(cfg, 1 * gib, True, 1024) == 1024  # never below one long response's worth

@@ -27,13 +27,7 @@ CASES = ["seq", "token", "balanced", "balanced-batch", "token-batch", "dr-grpo",
 OFFLOAD = ["seq", "token-batch", "dynamic-2", "dynamic-1"]  # grad_probe.OFFLOAD_CASES: the accumulation boundary
 
 
-@pytest.mark.parametrize("case", CASES + [f"{case}-offload" for case in OFFLOAD])
-def test_gradient_same_for_1_rank_full_batch_and_2_ranks_micro_1(case, deltas):
-    one, two = deltas[1][case], deltas[2][case]
-    # the loss is built from the engine's output, so DeepSpeed's backward prologue ran every time
-    assert one["prologues"] == one["micro_steps"] and two["prologues"] == two["micro_steps"]
-    assert two["micro_steps"] == (4 if case.startswith("dynamic-1") else 8)
-    assert one["responses"] == two["responses"] == (8 if case.startswith("dynamic-1") else 16)
+def assert_same_gradient(one: dict, two: dict) -> None:
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-9)
     flat1 = torch.cat([one["delta"][k].flatten() for k in sorted(one["delta"])])
     flat2 = torch.cat([two["delta"][k].flatten() for k in sorted(two["delta"])])
@@ -43,6 +37,27 @@ def test_gradient_same_for_1_rank_full_batch_and_2_ranks_micro_1(case, deltas):
     # of the gradient (a factor of the world size or the accumulation steps) is 1e4 times larger
     atol = 1e-5 * float(flat1.abs().max()) + 2 * torch.finfo(torch.float32).eps
     torch.testing.assert_close(flat2, flat1, rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("case", CASES + [f"{case}-offload" for case in OFFLOAD])
+def test_gradient_same_for_1_rank_full_batch_and_2_ranks_micro_1(case, deltas):
+    one, two = deltas[1][case], deltas[2][case]
+    # the loss is built from the engine's output, so DeepSpeed's backward prologue ran every time
+    assert one["prologues"] == one["micro_steps"] and two["prologues"] == two["micro_steps"]
+    assert two["micro_steps"] == (4 if case.startswith("dynamic-1") else 8)
+    assert one["responses"] == two["responses"] == (8 if case.startswith("dynamic-1") else 16)
+    assert_same_gradient(one, two)
+
+
+@pytest.mark.parametrize("case", ["balanced", "dynamic-1"])  # grad_probe.TOKEN_CASES
+def test_token_budget_micro_batches_give_the_same_gradient(case, deltas):
+    # micro-batches cut by --micro-batch-tokens on 1 and 2 ranks against the 1-rank full batch
+    for world in (1, 2):
+        run = deltas[world][f"{case}-tokens"]
+        assert run["prologues"] == run["micro_steps"] > (1 if world == 2 else 2)
+        assert_same_gradient(deltas[1][case], run)
+    # the 2 ranks cut their shares into different numbers of micro-batches, evened out (ZeRO-3 gathers in each)
+    assert deltas[2]["balanced-tokens"]["evened"] or deltas[2]["dynamic-1-tokens"]["evened"]
 
 
 def test_the_cases_give_different_gradients(deltas):

@@ -8,9 +8,12 @@ build_trainer: ZeRO-3 (bf16 with fp32 gradient accumulation and torch's fused Ad
 checkpointing, a frozen reference engine for a KL term. Three GRPO updates on synthetic responses through the
 trainer's functions (fill_logprobs for old and reference log-probs, loss_weights, update_minibatch with chunked
 log-probs); a checkpoint after the first (save_checkpoint); then load_training_state from it and the second
-update again, which must reproduce the first time's loss and fp32 master weights (exactly on the CPU; on CUDA,
-within 1% of the update's own change: its attention backward is not deterministic). Also the collective helpers
-(all_reduce, all_gather_objects) on the backend's device. Each rank writes DIR/update_check_rankR.json.
+update again, which must reproduce the first time's fp32 master weights: bit for bit on the CPU and on CUDA with
+--deterministic; in CUDA's default mode (non-deterministic attention backward and atomics) the redo's distance
+from the first time, relative to the update's own change (L2 norms over all ranks' partitions), must be at most
+REDO_TOLERANCE. That criterion is judged on the spot: the same redo from a resume broken on purpose (Adam's
+moments not restored; its step count not restored) must exceed it. Also the collective helpers (all_reduce,
+all_gather_objects) on the backend's device. Each rank writes DIR/update_check_rankR.json.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ import torch  # noqa: E402
 
 import train_grpo as T  # noqa: E402
 from bench_step import SHAPES, synthetic_rollouts  # noqa: E402
+
+# a redo within this share of the update's own change is kernel noise; a broken resume moves the update by far
+# more (measured on the CPU: see tests/test_gpu_check.py and README: GPU)
+REDO_TOLERANCE = 0.1
+FAULTS = ("moments", "step")  # what a broken resume could fail to restore
 
 
 def random_model(shape: str, out: Path, max_len: int) -> None:
@@ -69,6 +77,26 @@ def update(engine, ref_engine, args, step: int, rank: int, device) -> dict[str, 
     return sums
 
 
+def break_resume(engine, fault: str) -> None:
+    """Undo part of what load_training_state restored: Adam's moments, or its step count (bias correction)."""
+    for state in engine.optimizer.optimizer.state.values():
+        if fault == "moments":
+            state["exp_avg"].zero_()
+            state["exp_avg_sq"].zero_()
+        elif torch.is_tensor(state["step"]):
+            state["step"].zero_()
+        else:
+            state["step"] = 0
+
+
+def relative_distance(xs: list[torch.Tensor], ys: list[torch.Tensor], bs: list[torch.Tensor]) -> float:
+    """||x - y|| / ||y - b|| over every rank's partitions: a redo x against the update y from b."""
+    num = sum(((x - y).double() ** 2).sum().item() for x, y in zip(xs, ys))
+    den = sum(((y - b).double() ** 2).sum().item() for y, b in zip(ys, bs))
+    num, den = T.all_reduce([num, den]).tolist()
+    return (num / den) ** 0.5 if den > 0 else float("inf")
+
+
 def master_weights(engine) -> list[torch.Tensor]:
     """This rank's partition of the fp32 master weights (ZeRO-3's optimizer), copied to the CPU."""
     return [t.detach().float().cpu().clone() for t in engine.optimizer.fp32_partitioned_groups_flat]
@@ -81,8 +109,12 @@ def main() -> None:
     p.add_argument("--prompts-per-rank", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--response-len", type=int, default=768)
+    p.add_argument("--deterministic", action="store_true", help="the trainer's --deterministic: a bit-exact redo")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="the trainer's flag (default: the trainer's)")
     p.add_argument("--local_rank", type=int, default=-1)
     a = p.parse_args()
+    if a.deterministic:
+        T.make_deterministic()
     out, world = Path(a.out), int(os.environ.get("WORLD_SIZE", "1"))
     out.mkdir(parents=True, exist_ok=True)
     rank, local_rank = T.init_distributed(out, [], world)
@@ -97,19 +129,26 @@ def main() -> None:
                          "--prompts-per-step", str(a.prompts_per_rank * world), "--minibatches", "2",
                          "--micro-batch-size", "2", "--logprob-chunk", "64", "--kl-coef", "0.01",
                          "--gradient-checkpointing", "--lr", "1e-5", "--lr-warmup-steps", "0",
-                         "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len)])
+                         "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len)]
+                        + ["--deterministic"] * a.deterministic
+                        + (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens is not None
+                           else []))
     T.check_args(args, world)
     args.pad_id = 0
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     engine, ref_engine = T.build_trainer(args, str(model_dir), T.deepspeed_config(args, world))
+    if args.micro_batch_tokens is None:  # CUDA: as the trainer sizes it at its first update
+        args.micro_batch_tokens = T.token_budget(engine.module.config, torch.cuda.mem_get_info()[0],
+                                                 engine.module.is_gradient_checkpointing, args.logprob_chunk)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     optimizer = engine.optimizer.optimizer
     result = {"rank": rank, "world": world, "shape": a.shape, "device": str(device),
               "params": sum(getattr(q, "ds_numel", q.numel()) for q in engine.module.parameters()),
               "bf16": engine.bfloat16_enabled(), "optimizer": type(optimizer).__name__,
               "fused": optimizer.defaults.get("fused"), "zero_stage": engine.zero_optimization_stage(),
-              "checkpointing": engine.module.is_gradient_checkpointing,
+              "checkpointing": engine.module.is_gradient_checkpointing, "deterministic": a.deterministic,
+              "micro_batch_tokens": args.micro_batch_tokens,
               "collective_device": str(T.collective_device()),
               "all_reduce": [T.all_reduce([rank, 1.0]).tolist(), T.all_reduce([rank], "max").tolist()],
               "all_gather_objects": T.all_gather_objects({"rank": rank})}
@@ -133,12 +172,20 @@ def main() -> None:
         first=first, straight=straight, again=again, change=change,
         loaded_diff=max((x - s).abs().max().item() for s, x in zip(saved, loaded)),
         redone_diff=max((x - b).abs().max().item() for b, x in zip(after, redone)),
-        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+        redo_rel=relative_distance(redone, after, saved), tolerance=REDO_TOLERANCE, faults={})
+    for fault in FAULTS:  # the same redo from a resume broken on purpose: the criterion must catch it
+        T.load_training_state(engine, root / "step_000001", rank)
+        break_resume(engine, fault)
+        update(engine, ref_engine, args, 2, rank, device)
+        result["faults"][fault] = relative_distance(master_weights(engine), after, saved)
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     (out / f"update_check_rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         print(f"[update check] {a.shape} ({result['params'] / 1e9:.2f}B parameters), {world} rank(s) on "
               f"{device.type}: {result['step_s']:.1f} s per update of {args.prompts_per_step * args.group_size} "
-              f"responses; resume: weight diff {result['redone_diff']:.2e} for a change of {change:.2e}"
+              f"responses; resume: weight diff {result['redone_diff']:.2e} for a change of {change:.2e}, relative "
+              f"{result['redo_rel']:.2e} (at most {REDO_TOLERANCE}; broken resumes: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in result["faults"].items()) + ")"
               + (f"; peak memory {result['peak_gib']:.1f} GiB" if cuda else ""), flush=True)
     dist.barrier()
 
