@@ -71,7 +71,10 @@ def main() -> None:
     from data.demo import TASKS
 
     offline = args.model in TASKS
-    eval_args = shlex.split(args.eval_args if args.eval_args is not None else LAB_EVAL if offline else "--n 8")
+    try:
+        eval_args = shlex.split(args.eval_args if args.eval_args is not None else LAB_EVAL if offline else "--n 8")
+    except ValueError as e:  # an unclosed quote
+        p.error(f"--eval-args {args.eval_args!r}: {e}")
     env = dict(os.environ, **({} if cuda else {"DS_ACCELERATOR": "cpu"}))
     if nproc < 1:
         p.error(f"--nproc must be at least 1 (got {nproc})")
@@ -91,9 +94,9 @@ def main() -> None:
                 train_grpo.check_args(trial, nproc)
             train_grpo.deepspeed_config(trial, nproc)
         evaluate.parse_args(["--run", str(out), *eval_args])
+        evaluate.check_writable(out, "every run and the table go there; give another --out")
     except ValueError as e:
         sys.exit(f"ablation.py: error: {e}")
-    out.mkdir(parents=True, exist_ok=True)
 
     t_all, runs = time.time(), []
     for seed in args.seeds:

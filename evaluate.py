@@ -22,11 +22,13 @@ where it stopped, and every response can be inspected there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     if args.temperature < 0 or not 0 < args.top_p <= 1 or not 0 < args.gpu_memory <= 1:
         p.error("--temperature must be >= 0, --top-p in (0, 1] and --gpu-memory in (0, 1]")
+    if args.temperature != 0 and not 0.01 <= args.temperature <= 100:  # vLLM raises it to 0.01; 1e39: inf
+        p.error(f"--temperature must be 0 (greedy) or in [0.01, 100] (got {args.temperature:g})")
+    if args.temperature == 0 and args.n > 1:
+        p.error(f"--temperature 0 is greedy: its --n {args.n} samples would all be one; give --n 1, or a temperature "
+                "> 0 to sample")
     if not 0 <= args.seed <= T.SEED_MAX:
         p.error(f"--seed must be in [0, {T.SEED_MAX}] (vLLM's range; got {args.seed})")
     if args.data_parallel_size is None:
@@ -132,6 +139,8 @@ def check_checkpoint(path: str) -> None:
         has_weights = any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
         if not (p / "config.json").exists() or not has_weights:
             raise ValueError(f"{path}: no model weights (config.json and *.safetensors) in this directory")
+        if problem := T.model_dir_problem(path):  # else vLLM: "The decoder prompt cannot be empty"
+            raise ValueError(f"{path}: {problem}")
         for f in sorted(p.glob("*.safetensors")):  # the header covers the whole file: opening a cut one fails
             try:
                 with safe_open(str(f), "pt"):
@@ -161,6 +170,30 @@ def load_benchmarks(args) -> dict[str, list[dict]]:
         rows = load_rows(name, data_dir=args.data_dir, train=False)  # benchmarks as published
         out[Path(name).stem if os.path.exists(name) else name] = rows[: args.limit] if args.limit else rows
     return out
+
+
+def check_writable(d: Path, what: str) -> None:
+    """d (made if missing) takes files: a read-only run is named before the engine starts, not after it."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        from data.prepare import first_line
+
+        raise ValueError(f"{d} is not writable ({first_line(e)}): {what}") from None
+
+
+@contextlib.contextmanager
+def appending(path: Path):
+    """open(path, "a"), leaving no empty file behind (an engine that failed on the first chunk)."""
+    try:
+        with open(path, "a") as f:
+            yield f
+    finally:
+        if path.exists() and path.stat().st_size == 0:
+            path.unlink()
 
 
 def cache_dir(ckpt: str, args) -> Path:
@@ -202,7 +235,7 @@ def sample_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict
         todo = shard_todo(ckpt, {name: rows}, args)
         bar = tqdm(total=len(todo), desc=f"{Path(ckpt).name}:{name}", leave=False, disable=args.shard is not None)
         max_len, skipped = llm.llm_engine.model_config.max_model_len, 0
-        with open(own, "a") as f:
+        with appending(own) as f:
             for start in range(0, len(todo), args.chunk):
                 chunk = todo[start : start + args.chunk]
                 ids = [prompt_ids(r, args.template, tokenizer) for _, r in chunk]
@@ -579,6 +612,14 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"[eval] {ckpt}: already evaluated ({cached})", flush=True)
             else:
                 pending.append(ckpt)
+    try:  # where the samples, results and the table go: before the engine starts
+        for ckpt in pending:
+            check_writable(cache_dir(ckpt, args), "the samples are cached there; make it writable, or evaluate a "
+                           "copy of the checkpoint")
+        if args.run and args.shard is None:
+            check_writable(Path(args.out or args.run[0]), "the table goes there; give another --out")
+    except ValueError as e:
+        sys.exit(f"evaluate.py: error: {e}")
 
     if args.shard is not None or args.data_parallel_size == 1:
         import torch

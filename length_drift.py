@@ -183,6 +183,7 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
 
     tasks = {Path(a).name.split("-", 1)[1] if "-" in Path(a).name else Path(a).name: setting_runs(Path(a))
              for a in ablations}
+    check_steps([run for runs in tasks.values() for group in runs.values() for run in group])
     settings = list(dict.fromkeys(k for runs in tasks.values() for k in runs))
     losses = len({loss for _, loss in settings}) > 1  # then also the share of tokens each loss clips
     head = ["rule"]
@@ -269,10 +270,22 @@ def main() -> None:
     args = p.parse_args()
     if sum(x is not None for x in (args.ablation, args.model, args.summary)) != 1:
         p.error("give an ablation directory, --model or --summary")
+    if (args.simulate or args.predict) and not args.model:
+        p.error("--simulate and --predict go with --model")
+    if args.figure and not args.summary:
+        p.error("--figure goes with --summary")
     import evaluate
 
-    ev = evaluate.parse_args(["--run", "x", *shlex.split(args.eval_args)])  # its errors: one line, exit 2
     try:
+        eval_args = shlex.split(args.eval_args)
+    except ValueError as e:  # an unclosed quote
+        p.error(f"--eval-args {args.eval_args!r}: {e}")
+    ev = evaluate.parse_args(["--run", "x", *eval_args])  # its errors: one line, exit 2
+    try:
+        if args.figure:  # before the tables' minutes, not after them
+            if Path(args.figure).is_dir():
+                raise ValueError(f"--figure {args.figure} is a directory; give a .png file")
+            evaluate.check_writable(Path(args.figure).parent, "the --figure goes there")
         report(args, ev)
     except (ValueError, OSError) as e:
         from data.prepare import first_line
@@ -286,10 +299,29 @@ def ablation_runs(ablation: str) -> dict[str, list[Path]]:
         raise ValueError(f"{ablation}: no such directory (give an ablation.py --out directory)")
     by_agg = defaultdict(list)
     for run in sorted(p for p in Path(ablation).iterdir() if (p / "args.json").exists()):
-        by_agg[json.loads((run / "args.json").read_text())["agg"]].append(run)
+        a = json.loads((run / "args.json").read_text())
+        if not isinstance(a, dict) or a.get("agg") not in RULES:
+            raise ValueError(f"{run / 'args.json'}: no 'agg' of train_grpo.py's rules (not the trainer's args.json)")
+        by_agg[a["agg"]].append(run)
     if not by_agg:
         raise ValueError(f"{ablation}: no training runs in it (directories with an args.json, as ablation.py writes)")
     return by_agg
+
+
+TABLE_STEPS = 40  # the tables read steps 1-5 and 36-40: the lab's --steps
+
+
+def check_steps(runs: list[Path]) -> None:
+    """Every run has logged the training steps the tables read; else one line naming the first that has not."""
+    from train_grpo import logged_lines
+
+    for run in runs:
+        logged = {step for step, line in logged_lines(run / "metrics.jsonl") if "length/mean" in json.loads(line)}
+        missing = [s for s in range(1, TABLE_STEPS + 1) if s not in logged]
+        if missing:
+            raise ValueError(f"{run}: metrics.jsonl has no step {missing[0]} ({len(logged)} training steps logged); "
+                             f"the tables read steps 1-{TABLE_STEPS}, the lab's --steps: finish the run (the same "
+                             "ablation.py command resumes it)")
 
 
 def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
@@ -324,6 +356,7 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
         return
 
     by_agg = ablation_runs(args.ablation)
+    check_steps([run for group in by_agg.values() for run in group])
     # every checkpoint's cached samples first: a run without them stops here, before any table is printed
     samples = {run: [(step, checkpoint_samples(ckpt, ev)) for step, ckpt in evaluate.run_checkpoints(str(run))]
                for group in by_agg.values() for run in group}

@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import re
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -410,7 +411,15 @@ def main() -> None:
                    help="a local file (one name) or a directory holding the DATASETS file names")
     p.add_argument("--out", default=str(PREPARED_DIR))
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    if args.source and not os.path.exists(args.source):  # load_rows would name its own --data-dir
+        raise SystemExit(f"prepare: error: --from {args.source}: no such file or directory")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=args.out, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise SystemExit(f"prepare: error: --out {args.out} is not writable ({first_line(e)})") from None
     for name in args.names:
         try:
             if args.source and os.path.isfile(args.source):

@@ -9,10 +9,11 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import BENCHMARKS, ROOT, cpu_env
+from conftest import BENCHMARKS, ENVIRON, ROOT, cpu_env
 
 import jit_cache
 import train_grpo
@@ -36,6 +37,7 @@ def files(tmp_path_factory):
     (d / "empty.jsonl").write_text("")
     (d / "a_file").write_text("x")
     (d / "list.json").write_text("[1, 2]")
+    (d / "no_model").mkdir()
     weights = d / "cut"
     from data.demo import model_dir
 
@@ -79,6 +81,20 @@ RANGES = [
     (["--max-sample-rounds", "0"], "--max-sample-rounds must be at least 1 (got 0)"),
     (["--overlong-buffer", "4000"], "--overlong-buffer must be at most --max-response-len (got 4000)"),
     (["--overlong-penalty=-1"], "--overlong-penalty must be >= 0 (got -1.0)"),
+    # a flag that does nothing without another: refused, as a loss's parameter given to another loss is
+    (["--overlong-penalty", "2"], "--overlong-penalty has no effect without --overlong-buffer N"),
+    # finite in float64, not in the float32 they reach: once 16 lines of traceback after step 0's evaluation
+    (["--overlong-penalty", "1e300", "--overlong-buffer", "12"],  # once the 0/1 scores vanished: no signal
+     "--overlong-penalty must be in [0, 10000] (got 1e+300): the 0/1 scores must not vanish next to it"),
+    (["--clip-eps-high", "1e300"], "--clip-eps-high must be in [0, 10000] (got 1e+300)"),
+    (["--rollout-correction-cap", "1e300"], "--rollout-correction-cap must be in [1, 10000] (got 1e+300)"),
+    (["--policy-loss", "sapo", "--sapo-tau-neg", "1e39"], "--sapo-tau-neg must be in [0.001, 1000] (got 1e+39)"),
+    (["--policy-loss", "sapo", "--sapo-tau-pos", "1e-300"], "--sapo-tau-pos must be in [0.001, 1000]"),
+    (["--kl-coef", "1e300"], "--kl-coef must be in [0, 10000]"),
+    (["--weight-decay", "1e300"], "--weight-decay must be < 1 / --lr (AdamW scales the weights by 1 - lr x"),
+    (["--temperature", "1e-3"], "--temperature must be in [0.01, 100] (got 0.001): vLLM samples at 0.01 below"),
+    (["--temperature", "1e300"], "--temperature must be in [0.01, 100]"),
+    (["--peak-tflops", "1e300"], "--peak-tflops must be in [0, 1e+06]"),  # peak x 1e12 = inf: MFU 0
 ]
 
 
@@ -124,6 +140,68 @@ def test_every_float_flag_must_be_finite():
                 train_grpo.check_args(train_grpo.parse_args([f"{flag}={value}"]), world=1)
 
 
+def test_every_float_flag_is_bounded_where_float32_ends():
+    # 1e39 is finite in float64 and inf in float32 (clamp bounds, SAPO's gate, the loss, vLLM's sampler)
+    for flag in float_flags():
+        for value in ("1e39", "-1e39"):
+            argv = [f"{flag}={value}", *(["--policy-loss", "sapo"] if "sapo" in flag else []),
+                    *(["--overlong-buffer", "12"] if flag == "--overlong-penalty" else [])]
+            with pytest.raises(ValueError, match=re.escape(f"{flag} must be ")):
+                train_grpo.check_args(train_grpo.parse_args(argv), world=1)
+
+
+def test_a_flag_that_needs_another_is_taken_with_it():
+    for argv in (["--overlong-buffer", "12"], ["--overlong-buffer", "12", "--overlong-penalty", "2"],
+                 ["--overlong-buffer=12", "--overlong-pen=1.0"]):  # an abbreviation is a flag given too
+        args = train_grpo.parse_args(argv)
+        train_grpo.check_args(args, world=1)
+    assert "overlong_penalty" in args.flags_given and "flags_given" in train_grpo.RUN_ARGS_IGNORED
+    with pytest.raises(ValueError, match="--overlong-penalty has no effect without --overlong-buffer"):
+        train_grpo.check_args(train_grpo.parse_args(["--overlong-penalty=1.0"]), world=1)  # the default, typed
+
+
+def test_a_model_folder_without_its_config_or_tokenizer_is_named(tmp_path):
+    from data.demo import model_dir
+
+    demo_dir = Path(model_dir("demo"))
+
+    def check(model):
+        train_grpo.check_args(train_grpo.parse_args(["--model", str(model)]), world=1)
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"--model {tmp_path / 'empty'}: no config.json in it")):
+        check(tmp_path / "empty")
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir, model)
+    check(model)
+    (model / "config.json").write_text("")
+    with pytest.raises(ValueError, match=re.escape(f"--model {model}: its config.json is empty")):
+        check(model)
+    (model / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match="its config.json is not a JSON object of settings"):
+        check(model)
+    shutil.copy(demo_dir / "config.json", model / "config.json")
+    (model / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="no tokenizer files in it \\(tokenizer.json, tokenizer.model, ...\\)"):
+        check(model)
+
+
+def test_dynamic_sampling_shows_its_rounds(monkeypatch):
+    # a step of many rounds in which no group is kept showed a frozen 0/1 bar: it looked hung
+    args = train_grpo.parse_args(["--model", "demo", "--dynamic-sampling", "--max-sample-rounds", "4",
+                                  "--prompts-per-step", "2", "--group-size", "2"])
+    monkeypatch.setattr(train_grpo, "rollout", lambda llm, rows, a, step, first: [
+        {"length": 1, "row": r} for r in rows for _ in range(a.group_size)])
+    monkeypatch.setattr(train_grpo, "score", lambda rollouts, a, stats: [r.update(score=0.0) for r in rollouts])
+    monkeypatch.setattr(train_grpo, "all_gather_objects", lambda obj: [obj])
+    monkeypatch.setattr(train_grpo, "all_reduce", lambda values, op="sum": torch.tensor(values))
+    shown = []
+    rollouts, _, sampling = train_grpo.sample_step(None, [{"id": i} for i in range(8)], [], args, 1, 0, 1, {}, {},
+                                                   shown.append)
+    assert sampling["sample/rounds"] == 4 and len(rollouts) == 4
+    assert shown == [f"sampling round {k}/4, 0/2 groups kept" for k in (2, 3, 4)]
+
+
 def test_zero_stages_other_than_3_are_refused_at_the_argument_check(tmp_path):
     for stage in (0, 1, 2):
         cfg = json.loads((ROOT / "ds_config.json").read_text())
@@ -142,6 +220,7 @@ TRAINER = [
     (["--top-p", "2"], "--top-p must be in (0, 1] (got 2.0)"),
     (["--model", "{d}/cut", "--dataset", "demo", "--template", "plain", "--max-prompt-len", "32",
       "--max-response-len", "12"], "cannot load the model"),
+    (["--model", "{d}/no_model"], "no_model: no config.json in it"),  # once a cut transformers error
 ]
 
 
@@ -167,6 +246,10 @@ EVALUATE = [
     (["--model", "demo", "--top-p", "0"], "--top-p in (0, 1]"),
     (["--model", "demo", "--temperature", "nan"], "--temperature must be a finite number (got nan)"),
     (["--model", "demo", "--seed", "-1"], "--seed must be in [0, 2147483647]"),
+    (["--model", "demo", "--temperature", "0", "--n", "2"], "--temperature 0 is greedy: its --n 2 samples would all "
+     "be one; give --n 1"),  # once a vLLM traceback
+    (["--model", "demo", "--temperature", "1e300"], "--temperature must be 0 (greedy) or in [0.01, 100]"),
+    (["--model", "demo", "--temperature", "1e-3"], "--temperature must be 0 (greedy) or in [0.01, 100]"),
 ]
 
 
@@ -183,6 +266,53 @@ def test_evaluate_bad_files(files):
     one_line_error(run("evaluate.py", "--model", str(files / "cut"), "--benchmarks", "demo-test"), "damaged weights")
     one_line_error(run("evaluate.py", "--model", "demo", "--benchmarks", "math500", "--data-dir",
                        str(files / "nowhere")), "--data-dir")
+
+
+def read_only(d, *cmd: str) -> subprocess.CompletedProcess:
+    """cmd (a script of this project and its flags) with d mounted read-only: a bind mount in a user and mount
+    namespace of its own, since as root a chmod stops no write."""
+    mount = 'mount --bind "$0" "$0" && mount -o bind,remount,ro "$0" "$0" && exec "$@"'
+    if subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(d), "true"], capture_output=True).returncode:
+        pytest.skip("no user and mount namespace here (unshare -rm) to mount a directory read-only in")
+    return subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(d), sys.executable, *cmd], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=cpu_env())
+
+
+def test_evaluate_names_a_read_only_run_before_the_engine(tmp_path):
+    from data.demo import model_dir
+
+    rd = tmp_path / "run"
+    shutil.copytree(model_dir("demo"), rd / "checkpoints" / "step_000001")
+    (rd / "args.json").write_text(json.dumps({"agg": "balanced"}))  # no initial policy: the checkpoint alone
+    res = read_only(rd, "evaluate.py", "--run", str(rd), "--benchmarks", "demo-test", "--template", "plain", "--n", "1")
+    one_line_error(res, f"{rd}/checkpoints/step_000001/eval/")  # once OSError: [Errno 30] after the engine started
+    assert "Read-only file system" in res.stderr and "the samples are cached there; make it writable" in res.stderr
+    # the table's --out, where the samples can be written
+    import evaluate
+
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--run", str(rd), "--benchmarks", "demo-test", "--template", "plain", "--n", "1", "--out",
+                       str(rd / "args.json")])
+    said = str(e.value.code)
+    assert said.startswith(f"evaluate.py: error: {rd / 'args.json'} is not writable ([Errno 17] File exists")
+    assert said.endswith("the table goes there; give another --out")
+
+
+def test_evaluate_refuses_a_checkpoint_without_its_tokenizer(tmp_path):
+    import evaluate
+    from data.demo import model_dir
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(model_dir("demo"), ckpt)
+    (ckpt / "tokenizer.json").unlink()  # once: vLLM's "The decoder prompt cannot be empty", an empty samples file
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", str(ckpt), "--benchmarks", "demo-test", "--n", "1"])
+    assert str(e.value.code) == f"evaluate.py: error: {ckpt}: no tokenizer files in it (tokenizer.json, " \
+        "tokenizer.model, ...): copy them from the model it was trained from"
+    assert not (ckpt / "eval").exists()
+    with pytest.raises(RuntimeError), evaluate.appending(tmp_path / "s.jsonl"):  # an engine failing on chunk 1
+        raise RuntimeError
+    assert not (tmp_path / "s.jsonl").exists()
 
 
 def test_ablation_checks_every_argument_before_the_first_run(tmp_path):
@@ -306,6 +436,19 @@ def test_finished_run_relaunched_with_resume_and_other_arguments_keeps_its_recor
     assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr[-2000:]
 
 
+@pytest.mark.slow  # a trainer process: imports and a DeepSpeed start, 5-10 s
+def test_a_finished_run_older_than_code_reward_says_which_reward_it_keeps(tmp_path):
+    checkpointed_run(tmp_path / "run", steps=2)
+    for ck in (tmp_path / "run" / "checkpoints").glob("step_*"):
+        state = json.loads((ck / "trainer_state.json").read_text())
+        (ck / "trainer_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "run"}))
+    record = json.loads((tmp_path / "run" / "args.json").read_text())
+    (tmp_path / "run" / "args.json").write_text(json.dumps({k: v for k, v in record.items() if k != "code_reward"}))
+    res = run("train_grpo.py", "--output-dir", str(tmp_path / "run"), "--steps", "2")
+    assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr[-2000:]
+    assert f"{tmp_path / 'run'} predates --code-reward: it goes on with --code-reward fraction" in res.stdout
+
+
 # ----------------------------------------------------------------------------------------------------
 # A run owns its directory: one writer, checkpoints that know their run, a log without repeated steps
 
@@ -377,6 +520,64 @@ def test_checkpoints_carry_the_run_identity(tmp_path):
     assert len(check(run)) == 2
     with pytest.raises(ValueError, match=re.escape("(--mask-truncated False -> True)")):
         check(run, "--mask-truncated")
+
+
+def test_a_run_older_than_code_reward_goes_on_with_the_fraction_it_was_trained_with(tmp_path, capsys):
+    def check(run, *flags):
+        args = train_grpo.parse_args(["--output-dir", str(run), *flags])
+        return args, train_grpo.check_output_dir(args, run, 1)
+
+    run = tmp_path / "run"
+    checkpointed_run(run, steps=2)
+    for ck in (run / "checkpoints").glob("step_*"):  # no identity record: args.json is the run's record
+        state = json.loads((ck / "trainer_state.json").read_text())
+        del state["run"]
+        (ck / "trainer_state.json").write_text(json.dumps(state))
+    record = json.loads((run / "args.json").read_text())
+    del record["code_reward"]  # written before the flag: the pass fraction scored code
+    (run / "args.json").write_text(json.dumps(record))
+    args, ckpts = check(run)
+    assert len(ckpts) == 2 and args.code_reward == "fraction"  # what args.json and the checkpoints then record
+    assert f"[grpo] {run} predates --code-reward: it goes on with --code-reward fraction, as it was trained" \
+        in capsys.readouterr().out
+    args, ckpts = check(run, "--code-reward", "fraction")  # as the README advised such runs: accepted
+    assert len(ckpts) == 2 and args.code_reward == "fraction" and "predates" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match=re.escape("(--code-reward fraction -> all-pass), which no resume changes")):
+        check(run, "--code-reward", "all-pass", "--resume")
+
+    # an identity record without the key: the same
+    state = run / "checkpoints" / "step_000002" / "trainer_state.json"
+    identity = train_grpo.run_identity(vars(train_grpo.parse_args(["--output-dir", str(run), "--steps", "2"])))
+    del identity["code_reward"]
+    state.write_text(json.dumps({**json.loads(state.read_text()), "run": identity}))
+    assert check(run)[0].code_reward == "fraction"
+    # a run that records its reward keeps it
+    new = tmp_path / "new"
+    checkpointed_run(new, steps=1)
+    assert check(new)[0].code_reward == "all-pass"
+    with pytest.raises(ValueError, match=re.escape("(--code-reward all-pass -> fraction), which no resume")):
+        check(new, "--code-reward", "fraction")
+
+
+def test_a_run_lock_that_is_a_directory_and_a_dangling_link_are_named(tmp_path):
+    run = tmp_path / "run"
+    (run / "run.lock").mkdir(parents=True)  # once IsADirectoryError, 20 lines
+    args = train_grpo.parse_args(["--output-dir", str(run)])
+    with pytest.raises(ValueError, match=re.escape(f"{run}/run.lock is a directory, where the run's lock file goes")):
+        train_grpo.check_output_dir(args, run, 1)
+    # once "not writable ([Errno 17] File exists)", naming neither the link nor its target
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    for out in (tmp_path / "link", tmp_path / "link" / "run"):
+        with pytest.raises(ValueError, match=re.escape(f"--output-dir {out}: {tmp_path / 'link'} is a symbolic link "
+                                                       f"to {tmp_path / 'gone'}, which does not exist")):
+            train_grpo.check_output_dir(train_grpo.parse_args(["--output-dir", str(out)]), out, 1)
+    # the run's other files as directories: once IsADirectoryError tracebacks
+    for name, message in (("metrics.jsonl", "metrics.jsonl: [Errno 21] Is a directory"),
+                          ("args.json", "args.json cannot be read as JSON ([Errno 21] Is a directory")):
+        other = tmp_path / name.split(".")[0]
+        (other / name).mkdir(parents=True)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train_grpo.check_output_dir(train_grpo.parse_args(["--output-dir", str(other)]), other, 1)
 
 
 def test_resume_with_nothing_to_resume_says_so(tmp_path):
@@ -463,7 +664,8 @@ def test_jit_cache_is_per_install(monkeypatch):
     from types import SimpleNamespace
 
     here = jit_cache.jit_extensions_dir()
-    assert os.environ["TORCH_EXTENSIONS_DIR"] == here  # set at import, unless the user set it
+    # set at import, unless the user set it (conftest.ENVIRON: the environment before the trainer's import)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == ENVIRON.get("TORCH_EXTENSIONS_DIR", here)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
         origin="/elsewhere/.venv/deepspeed/__init__.py") if name == "deepspeed" else real(name))
@@ -552,6 +754,7 @@ def test_length_drift_never_prints_an_empty_result(tmp_path, monkeypatch):
     run = tmp_path / "abl" / "lab-balanced-s1"
     (run / "checkpoints" / "step_000010").mkdir(parents=True)
     (run / "args.json").write_text(json.dumps({"agg": "balanced"}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "length/mean": 9.0}) + "\n" for s in range(41)))
     for target, message in ((tmp_path / "nowhere", "nowhere: no such directory"),
                             (tmp_path, "no training runs in it"),
                             (tmp_path / "abl", "step_000010: no cached samples (run evaluate.py on it")):
@@ -564,7 +767,17 @@ def test_length_drift_never_prints_an_empty_result(tmp_path, monkeypatch):
 BENCH = [(["--repeats", "0"], "--repeats must be at least 1"),
          (["--group-size", "0"], "--group-size must be at least 2"),  # once after 150 s of probes and engines
          (["--sync-hidden", "100"], "multiples of 64"), (["--model", "nowhere"], "--model nowhere: no such directory"),
-         (["--out", "/nonexistent/b.json"], "must be a file in an existing directory")]
+         (["--out", "/nonexistent/b.json"], "must be a file in an existing directory"),
+         (["--update-only", "--peak-tflops", "-1"], "--peak-tflops must be in (0, 1e6]"),  # once MFU -0.004
+         (["--peak-tflops", "1e300"], "--peak-tflops must be in (0, 1e6]"),
+         (["--peak-tflops", "nan"], "--peak-tflops must be a finite number"),
+         (["--update-only", "--update-responses", "0"], "--update-responses must be a positive multiple of 8"),
+         (["--update-only", "--update-responses", "4"], "--update-responses must be a positive multiple of 8"),
+         (["--update-only", "--update-responses", "12"], "the benchmark's group size (got 12)"),  # a shape error
+         (["--update-only", "--response-len", "0"], "--response-len must be at least 1 (got 0)"),
+         (["--update-only", "--prompt-len", "0"], "--prompt-len must be at least 1 (got 0)"),
+         (["--model", str(ROOT / "data")], "data: no config.json in it"),  # once past the checks into the engines
+         (["--dataset", str(ROOT / "data")], "data is a directory; give a prepared .jsonl file or a name")]
 
 
 @pytest.mark.parametrize("flags,message", BENCH, ids=[" ".join(f) for f, _ in BENCH])
@@ -576,6 +789,77 @@ def test_bench_step_checks_its_arguments_before_any_engine(flags, message, monke
         bench_step.parse_args()
     err = capsys.readouterr().err
     assert message in err.splitlines()[-1] and err.splitlines()[-1].startswith("bench_step.py: error: ")
+
+
+def test_bench_step_refuses_a_read_only_out(tmp_path):
+    res = read_only(tmp_path, "bench_step.py", "--update-only", "--out", str(tmp_path / "b.json"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.splitlines()[-1] == f"bench_step.py: error: --out {tmp_path / 'b.json'}: its directory is not " \
+        "writable", res.stderr[-2000:]
+
+
+def short_ablation(root, steps: int = 3):
+    """An ablation directory of one run that logged `steps` training steps (no checkpoint needed)."""
+    run = root / "lab-balanced-s1"
+    run.mkdir(parents=True)
+    (run / "args.json").write_text(json.dumps({"agg": "balanced", "policy_loss": "ppo"}))
+    metrics = {"loss/pg": 0.0, "length/mean": 9.0, "reward/accuracy": 0.5}
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **metrics}) + "\n" for s in range(1, steps + 1)))
+    return root
+
+
+@pytest.mark.parametrize("summary", [False, True])
+def test_length_drift_on_runs_shorter_than_its_tables(summary, tmp_path, monkeypatch):
+    import length_drift
+
+    abl = short_ablation(tmp_path / "ablation-lab")  # once IndexError; with --summary, KeyError: 2
+    monkeypatch.setattr(sys, "argv", ["length_drift.py", *(["--summary"] if summary else []), str(abl)])
+    with pytest.raises(SystemExit) as e:
+        length_drift.main()
+    assert str(e.value.code) == (f"length_drift.py: error: {abl}/lab-balanced-s1: metrics.jsonl has no step 4 (3 "
+                                 "training steps logged); the tables read steps 1-40, the lab's --steps: finish the "
+                                 "run (the same ablation.py command resumes it)")
+
+
+def test_length_drift_checks_its_other_arguments(tmp_path, monkeypatch, capsys, files):
+    import length_drift
+
+    abl = short_ablation(tmp_path / "ablation-lab", steps=40)
+    (abl / "lab-balanced-s1" / "args.json").write_text("{}")
+    cases = [([str(abl)], f"{abl}/lab-balanced-s1/args.json: no 'agg' of train_grpo.py's rules"),  # once KeyError
+             (["--summary", str(abl), "--figure", str(files / "a_file" / "f.png")], "the --figure goes there"),
+             (["--summary", str(abl), "--figure", str(files)], "is a directory; give a .png file"),
+             ([str(abl), "--figure", "f.png"], "--figure goes with --summary"),
+             ([str(abl), "--predict"], "--simulate and --predict go with --model"),
+             ([str(abl), "--eval-args", '"--n 8'], "--eval-args '\"--n 8': No closing quotation")]
+    for argv, message in cases:
+        monkeypatch.setattr(sys, "argv", ["length_drift.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            length_drift.main()
+        said = capsys.readouterr().err.strip().splitlines()[-1:] + [str(e.value.code)]
+        assert any("length_drift.py: error: " in line and message in line for line in said), said
+
+
+def test_ablation_refuses_a_read_only_out_before_any_run(tmp_path, monkeypatch, capsys, files):
+    import ablation
+
+    res = read_only(tmp_path, "ablation.py", "--out", str(tmp_path / "abl"))  # once OSError at mkdir
+    one_line_error(res, f"ablation.py: error: {tmp_path / 'abl'} is not writable ([Errno 30] Read-only file system")
+    for argv, message in ((["--out", str(files / "a_file" / "abl")], "a_file/abl is not writable"),
+                          (["--out", str(tmp_path / "abl"), "--eval-args", '"--n 8'], "No closing quotation")):
+        monkeypatch.setattr(sys, "argv", ["ablation.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            ablation.main()
+        assert message in capsys.readouterr().err + str(e.value.code)
+    assert not (tmp_path / "abl").exists()
+
+
+def test_prepare_names_its_own_flags(tmp_path):
+    res = run("data.prepare", "math500", "--from", str(tmp_path / "nowhere.jsonl"), "--out", str(tmp_path))
+    one_line_error(res, f"prepare: error: --from {tmp_path / 'nowhere.jsonl'}: no such file or directory")
+    assert "--data-dir" not in res.stderr  # a flag of evaluate.py's, not of prepare's
+    res = read_only(tmp_path, "-m", "data.prepare", "math500", "--out", str(tmp_path / "out"))
+    one_line_error(res, f"prepare: error: --out {tmp_path / 'out'} is not writable ([Errno 30] Read-only file system")
 
 
 def test_ablation_refuses_a_file_as_its_output_and_seeds_out_of_range(files, monkeypatch, capsys):
