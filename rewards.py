@@ -41,6 +41,7 @@ import logging
 import marshal
 import math
 import os
+import queue
 import re
 import secrets
 import select
@@ -68,6 +69,9 @@ CODE_MAX_PROCS = 64
 CODE_MAX_FILE_BYTES = 16 << 20
 CODE_MAX_OUTPUT_BYTES = 4 << 20  # stdout read back from a program; past it the program is killed
 CODE_MAX_DISK_BYTES = 64 << 20  # the sandbox's writable directory, all files together (a tmpfs of its own)
+# Files (and directories, links) in it: each is kernel memory outside the size bound, ~1.3 KiB, so this
+# bounds them to ~25 MiB (unbounded, one sandbox made 637,000 empty files, 794 MiB, in 7 s).
+CODE_MAX_FILES = 16384
 # As root, each sandbox runs its code as a uid no other running sandbox on the machine has, so that what
 # the kernel counts per uid (RLIMIT_NPROC's processes, pipe and inotify quotas) is counted per sandbox.
 # The range lies above sssd's default id mapping (200000-2000200000) and below 2**31; move it with
@@ -80,6 +84,42 @@ SANDBOX_UIDS = range(_UID_BASE, _UID_BASE + 65536)
 # CLONE_NEW* flag, see _seccomp_program), the way to a user namespace where the program is root: a tmpfs it
 # mounts there is memory outside every limit, and user namespaces are much of the kernel's attack surface.
 REFUSED_SYSCALLS = ("add_key", "keyctl", "request_key", "unshare", "setns")
+# What sandboxes share is the host kernel's state of the files every one of them reads (the interpreter's,
+# the system's): one sandbox could set it and another read it (issue #33). Each rule is (system call,
+# errno, None or (argument, ">=" or "==", value)); see _seccomp_program.
+_LOCK_CMDS = (5, 6, 7, 12, 13, 14, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, their *64 and F_OFD_* forms
+_WATCH_CMDS = (1024, 1025, 1026)  # F_SETLEASE, F_GETLEASE, F_NOTIFY
+SHARED_STATE_RULES = (
+    # Locks need only a read-only descriptor and are seen by every process of the machine (F_GETLK, a
+    # refused flock): ENOLCK, the answer where the kernel keeps no locks (e.g. NFS without lockd).
+    ("flock", errno.ENOLCK, None),
+    *(("fcntl", errno.ENOLCK, (1, "==", cmd)) for cmd in _LOCK_CMDS),
+    # A write lease is granted only if no one else has the file open; dnotify reports other processes'
+    # reads in a directory: EINVAL, the kernel's own answer where leases or dnotify are disabled.
+    *(("fcntl", errno.EINVAL, (1, "==", cmd)) for cmd in _WATCH_CMDS),
+    ("fcntl", errno.EINVAL, (1, ">=", 1 << 32)),  # the kernel reads cmd's low 32 bits: no way around
+    # inotify and fanotify watch inodes, so they report other sandboxes' opens and reads of shared files.
+    ("inotify_init", errno.ENOSYS, None), ("inotify_init1", errno.ENOSYS, None),
+    ("inotify_add_watch", errno.EPERM, None), ("fanotify_init", errno.EPERM, None),
+    # The page cache of shared files: evicting a page (fadvise DONTNEED, madvise PAGEOUT/COLD), or telling
+    # whether one is cached without loading it (mincore, cachestat, a no-wait read: RWF_NOWAIT through
+    # preadv2/pwritev2, io_uring or Linux AIO). preadv2/pwritev2 answer ENOSYS: the C library then does a
+    # flag-less call with preadv/pwritev. madvise's refused advice: WILLNEED, REMOVE, MERGEABLE (KSM's
+    # merging is a timing channel between processes) and all from 20 on (COLD, PAGEOUT, POPULATE_*,
+    # COLLAPSE, and any added later), EINVAL as from a kernel that does not know them; the 64-bit compare
+    # refuses any value with high bits set, which the kernel would read as its low 32.
+    ("fadvise64", errno.EPERM, None), ("readahead", errno.EPERM, None), ("mincore", errno.EPERM, None),
+    ("cachestat", errno.ENOSYS, None), ("preadv2", errno.ENOSYS, None), ("pwritev2", errno.ENOSYS, None),
+    ("process_madvise", errno.ENOSYS, None), ("io_uring_setup", errno.ENOSYS, None),
+    ("io_setup", errno.ENOSYS, None), ("io_submit", errno.ENOSYS, None),
+    *(("madvise", errno.EINVAL, (2, "==", advice)) for advice in (3, 9, 12)),
+    ("madvise", errno.EINVAL, (2, ">=", 20)),
+    # Extended attributes and ACLs are kernel memory outside the tmpfs's size (6 GiB pinned by one sandbox):
+    # EOPNOTSUPP, as from a filesystem without them (shutil.copystat and cp skip them then).
+    *((name, errno.EOPNOTSUPP, None) for name in ("setxattr", "lsetxattr", "fsetxattr", "setxattrat")),
+)
+# System calls newer than some libseccomp releases know: since 424 every architecture numbers them alike.
+_UNIFIED_SYSCALLS = {"cachestat": 451, "setxattrat": 463}
 _CLONE_NEW = (0x80, 0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
 
 # -----------------------------------------------------------------------------
@@ -225,7 +265,7 @@ def sandbox_mode() -> str:
 
 
 _PROBE = """
-import ctypes, errno
+import ctypes, errno, fcntl
 unpack()
 limit(*params["limits"])
 libc = ctypes.CDLL(None, use_errno=True)
@@ -233,13 +273,19 @@ keyring = libc.syscall(params["add_key"], b"user", b"probe", b"x", 1, -4) != -1 
 namespace = libc.unshare(0x10000000) != -1 or ctypes.get_errno() != errno.EPERM  # CLONE_NEWUSER
 with open("probe", "w") as f:
     f.write("x")
-print("keyring reachable" if keyring else "namespaces allowed" if namespace else "isolated", flush=True)
+    try:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        locks = True
+    except OSError as e:
+        locks = e.errno != errno.ENOLCK
+print("keyring reachable" if keyring else "namespaces allowed" if namespace else "locks shared" if locks else
+      "isolated", flush=True)
 """
 
 
 def _probe_bwrap() -> None:
     """One sandbox as responses get it: it must start (bubblewrap 0.8 or newer, for the size-limited
-    directory), find the keyring and new namespaces refused, and its own directory writable."""
+    directory), find the keyring, new namespaces and file locks refused, and its own directory writable."""
     try:
         with _sandbox({}, _PROBE, 10, {"add_key": _syscall_number("add_key")}, talk=True, mode="bwrap") as proc:
             out, err = proc.communicate(timeout=10)
@@ -260,11 +306,12 @@ def _runs(cmd: list[str]) -> bool:
         return False
 
 
-def _bwrap_prefix(seccomp_fd: int) -> list[str]:
+def _bwrap_prefix(seccomp_fd: int, tmpfs: str | None = None) -> list[str]:
     # Only the system's and the interpreter's directories are visible, read-only; the project,
     # checkpoints and home directories are not there at all. The one writable place is a tmpfs of
     # CODE_MAX_DISK_BYTES, the sandbox's own (/tmp points into it): nothing on the host's disk, nothing
-    # another sandbox sees, gone with the sandbox.
+    # another sandbox sees, gone with the sandbox. It is `tmpfs` (_private_tmpfs, which bounds its files
+    # too) or, where that could not be mounted, bubblewrap's own.
     binds = []
     for d in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc"):
         if os.path.exists(d):
@@ -274,8 +321,11 @@ def _bwrap_prefix(seccomp_fd: int) -> list[str]:
     binds += ["--ro-bind", sys.base_prefix, "/py"]
     # The sandbox's root and /dev are tmpfs too, writable by the program where it runs unprivileged
     # (bubblewrap's user namespace makes it their owner): both read-only once set up.
-    return ["bwrap", *binds, "--size", str(CODE_MAX_DISK_BYTES), "--perms", "1777", "--tmpfs", "/sandbox",
-            "--symlink", "/sandbox", "/tmp", "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+    own = ["--bind", tmpfs, "/sandbox"] if tmpfs else ["--size", str(CODE_MAX_DISK_BYTES), "--perms", "1777",
+                                                       "--tmpfs", "/sandbox"]
+    # /proc/sys is the host's (fs/inode-nr and file-nr move with other sandboxes' files): an empty one.
+    return ["bwrap", *binds, *own, "--symlink", "/sandbox", "/tmp", "--proc", "/proc", "--perms", "0555",
+            "--tmpfs", "/proc/sys", "--remount-ro", "/proc/sys", "--dev", "/dev", "--remount-ro", "/dev",
             "--remount-ro", "/", "--chdir", "/sandbox", "--unshare-net", "--unshare-pid", "--unshare-ipc",
             "--unshare-uts", "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd)]
 
@@ -328,6 +378,123 @@ def _sandbox_uid(mode: str) -> Iterator[int]:
         claim.close()
 
 
+_TMPFS_ROOT = "/run/balanced-grpo-sandboxes" if os.path.isdir("/run") else os.path.join(tempfile.gettempdir(),
+                                                                                        "balanced-grpo-sandboxes")
+_can_mount: bool | None = None  # None: not tried yet
+
+
+@contextlib.contextmanager
+def _private_tmpfs(mode: str, uid: int) -> Iterator[str | None]:
+    """As root, the writable directory of the sandbox holding `uid`: a tmpfs of CODE_MAX_DISK_BYTES and at
+    most CODE_MAX_FILES files (bubblewrap cannot set nr_inodes), mounted here, bound into the sandbox and
+    unmounted after it. None where it cannot be mounted (unprivileged, or a container without
+    CAP_SYS_ADMIN): bubblewrap's own tmpfs then, whose file count only the kernel's default bounds (half
+    the machine's pages). A dead scorer's leftover is unmounted by the next scorer to claim its directory,
+    or when a worker is started (_sweep_tmpfs)."""
+    global _can_mount
+    if mode != "bwrap" or uid < 0 or _can_mount is False:
+        yield None
+        return
+    claim = _claim_dir(uid)
+    path = os.path.join(_TMPFS_ROOT, str(uid))
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    _unmount(path)  # the directory is ours: whatever is mounted there is a dead scorer's
+    options = f"size={CODE_MAX_DISK_BYTES},nr_inodes={CODE_MAX_FILES},mode=1777".encode()
+    if _libc().mount(b"tmpfs", path.encode(), b"tmpfs", 0x2 | 0x4, options) != 0:  # MS_NOSUID | MS_NODEV
+        _can_mount = False
+        log.warning("cannot mount a tmpfs for sandboxes (%s): their file count is not bounded",
+                    os.strerror(ctypes.get_errno()))
+        claim.close()
+        yield None
+        return
+    _can_mount = True
+    try:
+        yield path
+    finally:
+        _unmounts.put((path, claim))
+        _start_unmounter()
+
+
+def _claim_dir(uid: int) -> socket.socket:
+    """The directory's own claim (an abstract socket, as for uids), held from its mount to its unmount,
+    which outlasts the sandbox: a sandbox given the same uid meanwhile waits for it."""
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    deadline = time.monotonic() + CODE_TIMEOUT_S
+    while True:
+        try:
+            claim.bind(f"\0balanced-grpo-sandbox-dir-{uid}")
+            return claim
+        except OSError:
+            if time.monotonic() > deadline:
+                claim.close()
+                raise SandboxUnavailable(f"the sandbox directory {uid} is not given back") from None
+            time.sleep(0.005)
+
+
+# Unmounting waits out an RCU grace period (about 4 ms here, a sixth of a sandbox's start): a thread of the
+# scorer does it once the sandbox is over, off the scoring path.
+_unmounts: queue.SimpleQueue = queue.SimpleQueue()
+_unmounter: threading.Thread | None = None
+_unmounter_lock = threading.Lock()
+
+
+def _start_unmounter() -> None:
+    global _unmounter
+    with _unmounter_lock:
+        if _unmounter is None or not _unmounter.is_alive():
+            _unmounter = threading.Thread(target=_unmount_queued, name="sandbox-unmounter", daemon=True)
+            _unmounter.start()
+
+
+def _unmount_queued(block: bool = True) -> None:
+    while True:
+        try:
+            path, claim = _unmounts.get(block=block)
+        except queue.Empty:
+            return
+        try:
+            _unmount(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        finally:
+            claim.close()
+
+
+atexit.register(_unmount_queued, block=False)  # what the thread has not reached when the scorer ends
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _unmount(path: str) -> None:
+    _libc().umount2(path.encode(), 2)  # MNT_DETACH; EINVAL where nothing is mounted
+
+
+def _sweep_tmpfs() -> None:
+    """Unmount the directories of sandboxes whose scorer died (their claims are gone with it)."""
+    if os.geteuid() != 0 or not os.path.isdir(_TMPFS_ROOT):
+        return
+    for name in os.listdir(_TMPFS_ROOT):
+        try:
+            claim = _claim_dir_now(name)
+        except OSError:  # a live sandbox's, or one being unmounted
+            continue
+        _unmounts.put((os.path.join(_TMPFS_ROOT, name), claim))
+    _unmount_queued(block=False)
+
+
+def _claim_dir_now(name: str) -> socket.socket:
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        claim.bind(f"\0balanced-grpo-sandbox-dir-{name}")
+    except OSError:
+        claim.close()
+        raise
+    return claim
+
+
 def _unshare_prefix() -> list[str]:
     return ["unshare", "--net", "--pid", "--fork", "--kill-child"]
 
@@ -350,8 +517,11 @@ def _libseccomp() -> ctypes.CDLL:
 
 
 def _syscall_number(name: str) -> int:
-    """The number of a system call on this machine's architecture (libseccomp's table)."""
+    """The number of a system call on this machine's architecture (libseccomp's table, else the number
+    every architecture gives a recent one)."""
     nr = _libseccomp().seccomp_syscall_resolve_name(name.encode())
+    if nr < 0 and name in _UNIFIED_SYSCALLS:
+        return _UNIFIED_SYSCALLS[name]
     if nr < 0:
         raise SandboxUnavailable(f"libseccomp does not know the system call {name}")
     return nr
@@ -363,23 +533,23 @@ class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
 
 
 @functools.cache
-def _seccomp_program(refused: tuple[str, ...]) -> bytes:
+def _seccomp_program(refused: tuple[str, ...], shared: tuple = ()) -> bytes:
     """A seccomp filter, as `bwrap --seccomp` loads it (classic BPF), that fails the `refused` system
     calls and clone with any CLONE_NEW* flag with EPERM, answers clone3 with ENOSYS (its flags sit in
-    memory a filter cannot read; the C library then falls back to clone) and allows the rest; compiled
-    by libseccomp for this machine's architecture, so a system call through another ABI (32-bit, x32)
-    kills the process instead of slipping past. clone's flags are its first argument on x86-64, arm64
-    and ppc64le (not on s390x)."""
+    memory a filter cannot read; the C library then falls back to clone), applies the `shared` rules
+    (SHARED_STATE_RULES) and allows the rest; compiled by libseccomp for this machine's architecture, so
+    a system call through another ABI (32-bit, x32) kills the process instead of slipping past. clone's
+    flags are its first argument on x86-64, arm64 and ppc64le (not on s390x)."""
     lib = _libseccomp()
     ctx = lib.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW
     if not ctx:
         raise SandboxUnavailable("libseccomp cannot build a filter here")
-    eperm, enosys = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS  # SCMP_ACT_ERRNO(...)
-    rules = [(eperm, name, None) for name in refused] + [(enosys, "clone3", None)]
-    rules += [(eperm, "clone", _ArgCmp(0, 7, flag, flag)) for flag in _CLONE_NEW]  # SCMP_CMP_MASKED_EQ
+    rules = [(name, errno.EPERM, None) for name in refused] + [("clone3", errno.ENOSYS, None)]
+    rules += [("clone", errno.EPERM, (0, "&", flag)) for flag in _CLONE_NEW]
     try:
-        for action, name, cmp in rules:
-            args = ctypes.byref(cmp) if cmp is not None else None
+        for name, code, cmp in rules + list(shared):
+            args = ctypes.byref(_arg_cmp(cmp)) if cmp is not None else None
+            action = 0x00050000 | code  # SCMP_ACT_ERRNO(code)
             if lib.seccomp_rule_add_array(ctx, action, _syscall_number(name), int(cmp is not None), args) != 0:
                 raise SandboxUnavailable(f"libseccomp cannot refuse {name} here")
         fd = os.memfd_create("seccomp")
@@ -393,6 +563,14 @@ def _seccomp_program(refused: tuple[str, ...]) -> bytes:
             os.close(fd)
     finally:
         lib.seccomp_release(ctx)
+
+
+def _arg_cmp(cmp: tuple[int, str, int]) -> _ArgCmp:
+    """libseccomp's comparison: argument == value, >= value (unsigned, all 64 bits), or & value set."""
+    arg, op, value = cmp
+    if op == "&":
+        return _ArgCmp(arg, 7, value, value)  # SCMP_CMP_MASKED_EQ
+    return _ArgCmp(arg, {"==": 4, ">=": 5}[op], value, 0)  # SCMP_CMP_EQ, SCMP_CMP_GE
 
 
 def _fd_holding(data: bytes, pipe: bool = False) -> int:
@@ -476,14 +654,14 @@ def _sandbox(files: dict[str, str], script: str, timeout: float, params: dict, t
     directory and finds `data` (marshal-able) in unpack(); yields the process (its stdout a pipe, its
     stdin and stderr too if `talk`); everything it started is killed when the block ends."""
     mode = mode or sandbox_mode()
-    program = _seccomp_program(REFUSED_SYSCALLS) if mode == "bwrap" else None
-    with _sandbox_uid(mode) as uid, _workdir(mode) as workdir:
+    program = _seccomp_program(REFUSED_SYSCALLS, SHARED_STATE_RULES) if mode == "bwrap" else None
+    with _sandbox_uid(mode) as uid, _workdir(mode) as workdir, _private_tmpfs(mode, uid) as tmpfs:
         bundle = _fd_holding(marshal.dumps((files, data)))
         seccomp = _fd_holding(program, pipe=True) if program is not None else None
         params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode}
         python = [_sandbox_python(mode), "-I", "-c", f"params = {params!r}\n" + _LIMIT + script]
         if mode == "bwrap":
-            cmd = _bwrap_prefix(seccomp) + python
+            cmd = _bwrap_prefix(seccomp, tmpfs) + python
         elif mode == "unshare":
             cmd = _unshare_prefix() + python
         else:
@@ -1033,6 +1211,7 @@ _pool_lock = threading.Lock()  # one batch at a time goes through the workers (t
 
 
 def _spawn() -> tuple[subprocess.Popen, str]:
+    _sweep_tmpfs()  # a worker is started or replaced: the one it replaces may have left its sandbox's
     tmp_root = os.path.join(tempfile.gettempdir(), f"rewards-pool-{secrets.token_hex(8)}")
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", tmp_root],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)

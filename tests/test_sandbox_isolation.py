@@ -9,6 +9,8 @@ inside one sandbox (or, for the keyring, with the seccomp filter taken away), so
 nothing across sandboxes could have found something.
 """
 
+import errno
+import inspect
 import json
 import os
 import secrets
@@ -191,6 +193,13 @@ print("uid", os.getuid(), "found", sorted(found), flush=True)
 WITHIN_ONE_SANDBOX = {"sysv-shm", "sysv-msg", "sysv-sem", "posix-mq", "abstract-socket", "process-name", "file"}
 
 
+@pytest.fixture
+def probed() -> None:
+    """The start-up probe, run with the whole filter, before a control takes part of it away (the probe
+    would refuse to start sandboxes without it)."""
+    rewards.sandbox_mode()
+
+
 def numbers() -> dict:
     return {name: rewards._syscall_number(name) for name in ("add_key", "keyctl")}
 
@@ -251,7 +260,7 @@ def test_nothing_reaches_a_sandbox_running_beside_it():
 
 
 @as_root
-def test_the_keyring_carries_values_without_the_filter(monkeypatch):
+def test_the_keyring_carries_values_without_the_filter(probed, monkeypatch):
     """The control: one uid for every sandbox and no seccomp filter (the sandbox before issue #27), and
     the keyring carries the value to a later sandbox. The reader empties the keyrings it used."""
     monkeypatch.setattr(rewards, "REFUSED_SYSCALLS", ())
@@ -422,7 +431,7 @@ def test_a_copier_gets_nothing_from_the_sibling_that_solved_it():
 
 
 @as_root
-def test_the_copier_wins_without_the_filter(monkeypatch):
+def test_the_copier_wins_without_the_filter(probed, monkeypatch):
     """The control, in this process: one uid, no filter; the copier then scores with its sibling."""
     monkeypatch.setattr(rewards, "REFUSED_SYSCALLS", ())
     one = rewards.SANDBOX_UIDS.start + secrets.randbelow(len(rewards.SANDBOX_UIDS))
@@ -474,7 +483,7 @@ def test_an_oracle_learns_nothing_across_responses():
 
 
 @as_root
-def test_the_oracle_learns_without_the_filter(monkeypatch):
+def test_the_oracle_learns_without_the_filter(probed, monkeypatch):
     monkeypatch.setattr(rewards, "REFUSED_SYSCALLS", ())
     one = rewards.SANDBOX_UIDS.start + secrets.randbelow(len(rewards.SANDBOX_UIDS))
     monkeypatch.setattr(rewards, "SANDBOX_UIDS", range(one, one + 1))
@@ -523,3 +532,316 @@ def test_disk_use_is_bounded_per_sandbox():
     written = int(out.split()[0])
     assert rewards.CODE_MAX_DISK_BYTES - (16 << 20) <= written <= rewards.CODE_MAX_DISK_BYTES
     assert time.time() - t0 < 5
+
+
+# -- what sandboxes share: the host kernel's state of the files they all read (issue #33) ---------------
+# The programs are functions here, run in the sandbox from their source (ship): each channel's writer puts
+# BITS (a secret, as 0s and 1s) where a sibling could read them and prints them (a stdio answer that
+# scores); its reader prints what it read (a copier that scores only if the channel carried the answer).
+
+
+def ship(fn, *args) -> str:
+    """A program that defines `fn` (and stdlib_file) from its source and calls it with `args`."""
+    return f"{inspect.getsource(stdlib_file)}\n{inspect.getsource(fn)}\n{fn.__name__}(*{args!r})\n"
+
+
+def as_response(program: str) -> str:
+    return f"```python\n{program}```"
+
+
+def stdlib_file(name: str) -> str:
+    import os
+
+    return os.path.join(os.path.dirname(os.__file__), name)  # the sandbox's own (/py/...), read-only
+
+
+def lock_writer(bits: str, base: int, hold: float) -> None:
+    """Read locks (a read-only descriptor is enough) at the offsets of its 1 bits, and a shared flock."""
+    import fcntl
+    import time
+
+    f = open(stdlib_file("LICENSE.txt"), "rb")  # noqa: SIM115 - held while it sleeps
+    for i, bit in enumerate(bits):
+        if bit == "1":
+            try:
+                fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, base + i)
+            except OSError:
+                pass
+    try:
+        fcntl.flock(f, fcntl.LOCK_SH)
+    except OSError:
+        pass
+    print(bits, flush=True)
+    time.sleep(hold)
+
+
+def lock_reader(n: int, base: int, wait: float) -> None:
+    """F_GETLK and F_OFD_GETLK at each offset: a lock held there is a 1; a refused probe reads nothing."""
+    import fcntl
+    import struct
+    import time
+
+    time.sleep(wait)
+    f = open(stdlib_file("LICENSE.txt"), "rb")  # noqa: SIM115
+    bits = ""
+    for i in range(n):
+        for cmd in (fcntl.F_GETLK, 36):  # F_OFD_GETLK
+            try:
+                got = fcntl.fcntl(f, cmd, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, base + i, 1, 0))
+                bits += "0" if struct.unpack("hhqqi4x", got)[0] == fcntl.F_UNLCK else "1"
+                break
+            except OSError:
+                continue
+    print(bits, flush=True)
+
+
+def secret_bits(n: int = 48) -> str:
+    return format(secrets.randbits(n) | 1 << (n - 1), "b")
+
+
+def lock_pair() -> tuple[list[str], list[dict]]:
+    bits, base = secret_bits(), secrets.randbelow(1 << 40)
+    tests = {"stdio": [{"input": "", "output": bits}]}
+    return ([as_response(ship(lock_writer, bits, base, 3.0)), as_response(ship(lock_reader, len(bits), base, 1.0))],
+            [tests, tests])
+
+
+def test_a_lock_copier_scores_nothing_beside_the_sibling_that_solved_it(clean_machine):
+    """The writer scores; the copier, running beside it (two workers), reads no lock of it."""
+    responses, tests = lock_pair()
+    assert compute_rewards(responses, tests, ["code"] * 2, num_workers=2) == [1.0, 0.0]
+
+
+def test_locks_carry_the_answer_without_the_filter(probed, monkeypatch):
+    """The control: without the rules on shared state, the copier reads the writer's locks and scores."""
+    monkeypatch.setattr(rewards, "SHARED_STATE_RULES", ())
+    responses, tests = lock_pair()
+    scores = {}
+    writer_thread = threading.Thread(target=lambda: scores.update(w=rewards.score_code(responses[0], tests[0])))
+    writer_thread.start()
+    scores["r"] = rewards.score_code(responses[1], tests[1])
+    writer_thread.join()
+    assert scores == {"w": 1.0, "r": 1.0}
+
+
+def lock_in_high_bits() -> None:
+    """F_GETLK with bits set above the 32 the kernel reads: the filter must not see another command."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(stdlib_file("LICENSE.txt"), os.O_RDONLY)
+    lock = ctypes.create_string_buffer(32)
+    print(libc.syscall(72, fd, ctypes.c_long(1 << 32 | 5), lock), ctypes.get_errno())  # fcntl, F_GETLK
+
+
+def test_lock_commands_cannot_hide_in_high_bits():
+    assert rewards._syscall_number("fcntl") == 72 or pytest.skip("x86-64's numbers")
+    assert rewards.run_sandboxed(ship(lock_in_high_bits), timeout=10)[1].split() == ["-1", str(errno.EINVAL)]
+
+
+def test_the_start_up_probe_fails_closed_where_locks_are_shared(monkeypatch):
+    monkeypatch.setattr(rewards, "SHARED_STATE_RULES", ())
+    monkeypatch.setattr(rewards, "_sandbox_mode", None)
+    with pytest.raises(rewards.SandboxUnavailable, match="locks shared"):
+        rewards.sandbox_mode()
+
+
+def open_watcher(wait: float) -> None:
+    """Watches a shared file with inotify: an open or read by any process on the machine is an event."""
+    import ctypes
+    import select
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(0)
+    if fd < 0 or libc.inotify_add_watch(fd, stdlib_file("LICENSE.txt").encode(), 0x20 | 0x1) < 0:  # OPEN, ACCESS
+        print("refused", ctypes.get_errno(), flush=True)
+        return
+    print("event" if select.select([fd], [], [], wait)[0] else "nothing", flush=True)
+
+
+def test_no_sandbox_sees_another_open_a_shared_file():
+    """inotify (and dnotify, fanotify) watch inodes: one sandbox would see another open the file it names."""
+    out = {}
+    watcher = threading.Thread(target=lambda: out.update(w=rewards.run_sandboxed(ship(open_watcher, 2.0))[1]))
+    watcher.start()
+    time.sleep(0.5)
+    rewards.run_sandboxed("import os\nopen(os.path.join(os.path.dirname(os.__file__), 'LICENSE.txt')).read(1)")
+    watcher.join()
+    assert out["w"].split()[0] == "refused", out
+
+
+def cache_writer(bits: str, name: str) -> None:
+    """Evicts a shared file from the host's page cache, then loads the pages of its 1 bits."""
+    import os
+
+    fd = os.open(stdlib_file(name), os.O_RDONLY)
+    for advice in (os.POSIX_FADV_DONTNEED, os.POSIX_FADV_RANDOM):  # RANDOM: no readahead past a page
+        try:
+            os.posix_fadvise(fd, 0, 0, advice)
+        except OSError:
+            pass
+    for i, bit in enumerate(bits):
+        if bit == "1":
+            os.pread(fd, 1, i * 4096)
+    print(bits, flush=True)
+
+
+def cache_reader(n: int, name: str) -> None:
+    """Which of the file's pages are cached, without loading them: cachestat, else a no-wait read (after
+    POSIX_FADV_RANDOM, so that a miss loads no neighbour), else mincore; a refused probe reads nothing."""
+    import ctypes
+    import errno
+    import mmap
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(stdlib_file(name), os.O_RDONLY)
+
+    def cachestat(i):
+        span, stat = (ctypes.c_uint64 * 2)(i * 4096, 4096), (ctypes.c_uint64 * 5)()
+        if libc.syscall(451, fd, span, stat, 0) != 0:
+            raise OSError(ctypes.get_errno(), "cachestat")
+        return stat[0] > 0
+
+    def nowait(i):
+        try:
+            return os.preadv(fd, [bytearray(1)], i * 4096, os.RWF_NOWAIT) == 1
+        except BlockingIOError:
+            return False
+
+    pages = mmap.mmap(fd, n * 4096, access=mmap.ACCESS_COPY)
+    vec = ctypes.create_string_buffer(n)
+
+    def mincore(i):
+        if i == 0 and libc.mincore(ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(pages))),
+                                   ctypes.c_size_t(n * 4096), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return vec.raw[i] & 1
+
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError:
+        pass
+    for probe in (cachestat, nowait, mincore):
+        try:
+            print("".join("1" if probe(i) else "0" for i in range(n)), flush=True)
+            return
+        except OSError as e:
+            assert e.errno in (errno.ENOSYS, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP), e
+    print("", flush=True)
+
+
+def cache_pair(bits: str) -> tuple[list[str], dict]:
+    """(writer, reader) on a large shared file chosen at random (so that runs beside it collide rarely)."""
+    lib = os.path.dirname(os.__file__)
+    big = sorted(os.path.relpath(os.path.join(d, f), lib) for d, _, files in os.walk(lib) for f in files
+                 if f.endswith(".py") and os.path.getsize(os.path.join(d, f)) > 4096 * (len(bits) + 1))
+    name = secrets.choice(big)
+    tests = {"stdio": [{"input": "", "output": bits}]}
+    return [as_response(ship(cache_writer, bits, name)), as_response(ship(cache_reader, len(bits), name))], tests
+
+
+def test_a_page_cache_copier_in_a_later_batch_scores_nothing(clean_machine):
+    bits = secret_bits()
+    (writer_, reader_), tests = cache_pair(bits)
+    assert compute_rewards([writer_], [tests], ["code"], num_workers=1) == [1.0]
+    assert compute_rewards([reader_], [tests], ["code"], num_workers=1) == [0.0]  # the batch after
+    program = reader_.removeprefix("```python\n").removesuffix("```")
+    assert rewards.run_sandboxed(program, timeout=10)[1] == "\n"  # every probe refused: not even a guess
+
+
+def test_the_page_cache_carries_the_answer_without_the_filter(probed, monkeypatch):
+    monkeypatch.setattr(rewards, "SHARED_STATE_RULES", ())
+    bits = secret_bits()
+    (writer_, reader_), tests = cache_pair(bits)
+    assert [rewards.score_code(writer_, tests), rewards.score_code(reader_, tests)] == [1.0, 1.0]
+
+
+def evictions() -> None:
+    """What evicting a shared file's pages each answers (fadvise, madvise PAGEOUT and COLD, readahead)."""
+    import ctypes
+    import errno
+    import mmap
+    import os
+
+    fd = os.open(stdlib_file("LICENSE.txt"), os.O_RDONLY)
+    pages = mmap.mmap(fd, 4096, prot=mmap.PROT_READ)
+    said = []
+    for fn in (lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED), lambda: pages.madvise(21),
+               lambda: pages.madvise(20)):
+        try:
+            fn()
+            said.append("done")
+        except OSError as e:
+            said.append(errno.errorcode[e.errno])
+    libc = ctypes.CDLL(None, use_errno=True)
+    said.append("done" if libc.readahead(fd, ctypes.c_long(0), ctypes.c_size_t(4096)) == 0 else
+                errno.errorcode[ctypes.get_errno()])
+    print(*said)
+
+
+def test_no_sandbox_evicts_shared_pages():
+    assert rewards.run_sandboxed(ship(evictions), timeout=10)[1].split() == ["EPERM", "EINVAL", "EINVAL", "EPERM"]
+
+
+def kernel_hog(seconds: float, hold: float) -> None:
+    """Pins kernel memory that the tmpfs's size does not count: 8191-entry ACLs and 64 KiB user xattrs on
+    as many (empty) files as it may make; then holds them. Prints files made and xattr bytes set."""
+    import os
+    import struct
+    import time
+
+    entry = struct.Struct("<HHI")
+    acl = (struct.pack("<I", 2) + entry.pack(1, 7, 2**32 - 1)  # version; ACL_USER_OBJ
+           + b"".join(entry.pack(2, 7, 1000 + u) for u in range(8187))  # ACL_USER, one per uid
+           + entry.pack(4, 7, 2**32 - 1) + entry.pack(0x10, 7, 2**32 - 1) + entry.pack(0x20, 7, 2**32 - 1))
+    files = pinned = 0
+    end = time.time() + seconds
+    while time.time() < end:
+        try:
+            open(f"f{files}", "w").close()
+        except OSError:
+            break
+        for name, value in (("system.posix_acl_access", acl), ("user.pin", b"x" * 65536)):
+            try:
+                os.setxattr(f"f{files}", name, value)
+                pinned += len(value)
+            except OSError:
+                pass
+        files += 1
+    print(files, pinned, flush=True)
+    time.sleep(hold)
+
+
+def unreclaimable() -> int:
+    """The host's unreclaimable kernel memory (SUnreclaim), bytes."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("SUnreclaim:"))
+
+
+def test_kernel_memory_is_bounded_per_sandbox(clean_machine):
+    """A sandbox that pins what it can (ACLs, xattrs, files) grows the host's unreclaimable memory by less
+    than 256 MiB, and a sibling's canonical answers, scored meanwhile, still pass."""
+    from reward_cases import code_cases
+
+    before, hog = unreclaimable(), {}
+    thread = threading.Thread(target=lambda: hog.update(out=rewards.run_sandboxed(ship(kernel_hog, 2.5, 2.0))[1]))
+    thread.start()
+    responses, tests = code_cases("humaneval")
+    scores = compute_rewards(responses[:6], tests[:6], ["code"] * 6, num_workers=1)
+    peak = before
+    while thread.is_alive():
+        peak = max(peak, unreclaimable())
+        time.sleep(0.05)
+    files, pinned = map(int, hog["out"].split())
+    assert scores == [1.0] * 6
+    assert pinned == 0 and 1000 < files <= rewards.CODE_MAX_FILES, (files, pinned)
+    assert peak - before < 256 << 20, (before >> 20, peak >> 20)
+
+
+def test_the_hosts_proc_sys_is_not_there():
+    """/proc/sys/fs/inode-nr and file-nr move with other sandboxes' files and open files: not shown."""
+    program = "import os\nprint(os.listdir('/proc/sys'), os.path.exists('/proc/sys/fs/inode-nr'))"
+    assert os.path.exists("/proc/sys/fs/inode-nr")
+    assert rewards.run_sandboxed(program, timeout=10)[1].split() == ["[]", "False"]
