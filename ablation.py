@@ -4,7 +4,7 @@ Figures 1-3 (mean ± std over seeds).
     python ablation.py                        # the aggregation lab on the CPU: 3 rules x 3 seeds
     python ablation.py --model lab-nogap      # the control: the same lengths, no sign-length gap
     python ablation.py --model lab-nogap-hi   # the same control, above 50% accuracy
-    python ablation.py --aggs all             # every rule of train_grpo.py (the README's side-by-side table)
+    python ablation.py --aggs all             # every rule of train_grpo.py (docs/workbench.md's side-by-side table)
     python ablation.py --losses ppo gspo cispo sapo --out runs/losses-lab -- --minibatches 4   # policy losses
     python ablation.py --model Qwen/Qwen2.5-Math-7B --seeds 1 --out runs/ablation-7b \\
         --eval-args "--benchmarks aime24,amc23,math500 --template dapo --n 8" \\
@@ -83,6 +83,7 @@ def main() -> None:
     # every run's and the evaluation's arguments checked before the first run starts (argparse
     # errors exit here with their own one-line message)
     import evaluate
+    from grpo_run import check_args
 
     settings = [(agg, loss) for loss in args.losses for agg in args.aggs]
     try:
@@ -91,7 +92,7 @@ def main() -> None:
                 trial = train_grpo.parse_args(["--model", args.model, "--agg", agg, "--policy-loss", loss, "--seed",
                                                str(seed), "--output-dir", str(out / "check"), "--eval-dataset", "",
                                                *train_extra])
-                train_grpo.check_args(trial, nproc)
+                check_args(trial, nproc, train_grpo.POLICY_LOSS_DEFAULTS[loss], train_grpo.OFFLINE_DEFAULTS)
             train_grpo.deepspeed_config(trial, nproc)
         evaluate.parse_args(["--run", str(out), *eval_args])
         evaluate.check_writable(out, "every run and the table go there; give another --out")

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 import train_grpo as T
-from data.prepare import is_hub_id
+from grpo_run import check_finite, is_hub_id, model_dir_problem
 
 ROOT = Path(__file__).resolve().parent
 _KEEP: list = []
@@ -159,7 +159,7 @@ def check_args(args: argparse.Namespace) -> None:
                          "responses")
     if args.peer_steps < 2:
         raise ValueError(f"--peer-steps must be at least 2 (got {args.peer_steps}): the first one warms up")
-    T.check_finite(args)
+    check_finite(args)
     if args.peak_tflops is not None and not 0 < args.peak_tflops <= 1e6:
         raise ValueError(f"--peak-tflops must be in (0, 1e6] (got {args.peak_tflops:g}): one device's peak TFLOP/s")
     for k in ("prompt_len", "response_len"):
@@ -175,7 +175,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     if args.model not in TASKS and not os.path.isdir(args.model) and not is_hub_id(args.model):
         raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir, a hub id, or demo / lab)")
-    if args.model not in TASKS and os.path.isdir(args.model) and (problem := T.model_dir_problem(args.model)):
+    if args.model not in TASKS and os.path.isdir(args.model) and (problem := model_dir_problem(args.model)):
         raise ValueError(f"--model {args.model}: {problem}")
     from data.prepare import DATASETS
 

@@ -28,14 +28,14 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: one engine, not one per rank as in training
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grpo_run as R  # noqa: E402  (the trainer's plumbing: argument checks, checkpoint names)
 import train_grpo as T  # noqa: E402  (its environment preamble: engines in-process; and the sampling path)
-from data.prepare import is_hub_id  # noqa: E402
+from grpo_run import is_hub_id  # noqa: E402
 from rewards import SCORING_VERSION  # noqa: E402
 
 PAPER_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})"
                     + ("; omit it to evaluate every problem" if k == "limit" else ""))
     try:
-        T.check_finite(args)
+        R.check_finite(args)
     except ValueError as e:
         p.error(str(e))
     if args.temperature < 0 or not 0 < args.top_p <= 1 or not 0 < args.gpu_memory <= 1:
@@ -89,8 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.temperature == 0 and args.n > 1:
         p.error(f"--temperature 0 is greedy: its --n {args.n} samples would all be one; give --n 1, or a temperature "
                 "> 0 to sample")
-    if not 0 <= args.seed <= T.SEED_MAX:
-        p.error(f"--seed must be in [0, {T.SEED_MAX}] (vLLM's range; got {args.seed})")
+    if not 0 <= args.seed <= R.SEED_MAX:
+        p.error(f"--seed must be in [0, {R.SEED_MAX}] (vLLM's range; got {args.seed})")
     if args.data_parallel_size is None:
         import torch
 
@@ -139,7 +139,7 @@ def check_checkpoint(path: str) -> None:
         has_weights = any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
         if not (p / "config.json").exists() or not has_weights:
             raise ValueError(f"{path}: no model weights (config.json and *.safetensors) in this directory")
-        if problem := T.model_dir_problem(path):  # else vLLM: "The decoder prompt cannot be empty"
+        if problem := R.model_dir_problem(path):  # else vLLM: "The decoder prompt cannot be empty"
             raise ValueError(f"{path}: {problem}")
         for f in sorted(p.glob("*.safetensors")):  # the header covers the whole file: opening a cut one fails
             try:
@@ -174,15 +174,8 @@ def load_benchmarks(args) -> dict[str, list[dict]]:
 
 def check_writable(d: Path, what: str) -> None:
     """d (made if missing) takes files: a read-only run is named before the engine starts, not after it."""
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=d, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        from data.prepare import first_line
-
-        raise ValueError(f"{d} is not writable ({first_line(e)}): {what}") from None
+    if problem := R.writable_problem(d):
+        raise ValueError(f"{d} is not writable ({problem}): {what}")
 
 
 @contextlib.contextmanager
@@ -331,7 +324,7 @@ def run_args(run: str) -> dict:
 
 def run_checkpoints(run: str) -> list[tuple[int, str]]:
     """(step, checkpoint) of a run: step 0 is the initial policy (the run's --model), then step_N."""
-    ckpts = T.checkpoint_dirs(Path(run, "checkpoints"))  # the trainer's own names: step_ and digits
+    ckpts = R.checkpoint_dirs(Path(run, "checkpoints"))  # the trainer's own names: step_ and digits
     if not Path(run).is_dir():
         raise ValueError(f"{run}: no such run directory")
     if not ckpts:
@@ -351,7 +344,7 @@ def group_runs(runs: list[str]) -> dict[str, list[str]]:
     """Runs of one setting (the same arguments but the seed) under one label: the arguments that
     differ between the settings ('token', 'lab-nogap balanced'), or each run alone by its name."""
     # what may differ between one run's launches, plus the seed and where it is written
-    same_setting = T.RUN_ARGS_IGNORED | {"seed", "output_dir"}
+    same_setting = R.RUN_ARGS_IGNORED | {"seed", "output_dir"}
 
     def setting(run: str) -> str:
         a = run_args(run)
@@ -596,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
             for kind in {r["kind"] for r in rows}:
                 render_prompt("", args.template, first, kind)
     except (ValueError, RuntimeError, OSError) as e:
-        from data.prepare import first_line
+        from grpo_run import first_line
 
         sys.exit(f"evaluate.py: error: {first_line(e)}")
 

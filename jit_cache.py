@@ -7,13 +7,12 @@ import contextlib
 import hashlib
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from data.prepare import first_line
+from grpo_run import writable_problem
 
 
 def jit_extensions_dir() -> str:
@@ -108,14 +107,9 @@ def check_jit_cache(ds_config: dict, local_rank: int) -> None:
     if not ops:
         return
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or jit_extensions_dir())
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=root, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(f"the JIT extension cache {root} is not writable ({first_line(e)}); set TORCH_EXTENSIONS_DIR "
-                         "to a writable directory") from None
+    if problem := writable_problem(root):
+        raise ValueError(f"the JIT extension cache {root} is not writable ({problem}); set TORCH_EXTENSIONS_DIR "
+                         "to a writable directory")
     spec = importlib.util.find_spec("deepspeed")
     source = os.path.dirname(spec.origin) if spec and spec.origin else ""
     for op in ops:

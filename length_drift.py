@@ -1,11 +1,11 @@
 """Is an aggregation rule length-neutral? Each rule's expected push on the stopping decision, next to
-the length drift it produced in training (README "Is balanced aggregation length-neutral?").
+the length drift it produced in training (docs/lab.md, "Is balanced aggregation length-neutral?").
 
     python length_drift.py runs/ablation-lab-nogap-hi        # an ablation.py output directory
     python length_drift.py --model lab-nogap-hi --simulate   # before training: the initial policy alone
     python length_drift.py --model lab --predict             # every rule's coupling and push, before training
     python length_drift.py --summary runs/ablation-lab runs/ablation-lab-nogap runs/ablation-lab-nogap-hi \
-        --figure docs/workbench.png                          # the README's side-by-side table and figure
+        --figure docs/workbench.png                          # docs/workbench.md's side-by-side table and figure
 
 The model. A policy that stops at position t with probability h_t (one logit per position) gets,
 from an on-policy GRPO step with weights w_i and advantages A_i, the gradient
@@ -135,7 +135,7 @@ def training_metric(runs: list[Path], key: str, step: int) -> list[float]:
     return out
 
 
-def mean_std(xs: list[float]) -> str:
+def mean_pm_std(xs: list[float]) -> str:
     if not xs:
         return "-"
     m = sum(xs) / len(xs)
@@ -160,7 +160,7 @@ def scale_free(metrics: dict, agg: str) -> float:
 
 
 def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path | None) -> None:
-    """The README's side-by-side table: per rule (and policy loss), mean ± std over seeds, of the lab's
+    """docs/workbench.md's side-by-side table: per rule (and policy loss), mean ± std over seeds, of the lab's
     coupling (loss/pg over steps 1-5, raw and scale-free), each task's mean length over steps 36-40,
     the controls' push (lengths shuffled, scale-free, mean over the run's checkpoints) and each task's
     Acc@8 at the peak and the last checkpoint."""
@@ -264,7 +264,7 @@ def main() -> None:
     p.add_argument("--model", help="with --simulate: the policy whose cached samples give the lengths")
     p.add_argument("--simulate", action="store_true", help="E[push] at accuracies 0.1..0.9 over the lengths")
     p.add_argument("--predict", action="store_true", help="every rule's coupling and push on the policy's samples")
-    p.add_argument("--summary", nargs="+", help="ablation directories: the README's side-by-side table")
+    p.add_argument("--summary", nargs="+", help="ablation directories: docs/workbench.md's side-by-side table")
     p.add_argument("--figure", help="with --summary: write its figure here (.png)")
     p.add_argument("--eval-args", default=LAB_EVAL, help="evaluate.py settings the samples were cached with")
     args = p.parse_args()
@@ -288,7 +288,7 @@ def main() -> None:
             evaluate.check_writable(Path(args.figure).parent, "the --figure goes there")
         report(args, ev)
     except (ValueError, OSError) as e:
-        from data.prepare import first_line
+        from grpo_run import first_line
 
         sys.exit(f"length_drift.py: error: {first_line(e)}")
 
@@ -313,7 +313,7 @@ TABLE_STEPS = 40  # the tables read steps 1-5 and 36-40: the lab's --steps
 
 def check_steps(runs: list[Path]) -> None:
     """Every run has logged the training steps the tables read; else one line naming the first that has not."""
-    from train_grpo import logged_lines
+    from grpo_run import logged_lines
 
     for run in runs:
         logged = {step for step, line in logged_lines(run / "metrics.jsonl") if "length/mean" in json.loads(line)}
@@ -365,8 +365,8 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
     print("| rule | " + " | ".join(f"step {s}" for s in steps) + " | steps 36-40 |\n|---|" + "---|" * (len(steps) + 1))
     for agg, group in by_agg.items():
         late = [sum(training_metric([run], "length/mean", s)[0] for s in range(36, 41)) / 5 for run in group]
-        print(f"| {agg} | " + " | ".join(mean_std(training_metric(group, "length/mean", s)) for s in steps)
-              + f" | {mean_std(late)} |")
+        print(f"| {agg} | " + " | ".join(mean_pm_std(training_metric(group, "length/mean", s)) for s in steps)
+              + f" | {mean_pm_std(late)} |")
     print(f"\n{args.ablation}: push towards stopping (x1000; + shorter, - longer) on each checkpoint's cached groups, "
           "as sampled / with lengths shuffled; training length and accuracy at that step (mean ± std over seeds)\n")
     print("| rule | step | accuracy | mean length | push as sampled | push, lengths shuffled | "
@@ -383,8 +383,8 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
             shuf = [1000 * shuffled_push(r, L, n, agg, draws=50) for r, L, n in samples]
             train_len = training_metric(group, "length/mean", step + 1)
             train_acc = [100 * x for x in training_metric(group, "reward/accuracy", step + 1)]
-            print(f"| {agg} | {step} | {mean_std([100 * a for a in acc])} | {mean_std(mean_len)} | "
-                  f"{mean_std(push)} | {mean_std(shuf)} | {mean_std(train_len)} | {mean_std(train_acc)} |")
+            print(f"| {agg} | {step} | {mean_pm_std([100 * a for a in acc])} | {mean_pm_std(mean_len)} | "
+                  f"{mean_pm_std(push)} | {mean_pm_std(shuf)} | {mean_pm_std(train_len)} | {mean_pm_std(train_acc)} |")
 
 
 if __name__ == "__main__":

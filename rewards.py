@@ -35,7 +35,6 @@ import contextlib
 import ctypes
 import errno
 import functools
-import inspect
 import json
 import logging
 import marshal
@@ -55,8 +54,15 @@ import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import wait
+from pathlib import Path
+
+from sandboxed.plain import decode_plain, encode_plain  # the call server's encoding, both ways
 
 log = logging.getLogger("rewards")
+# The programs run in the sandbox (the stdio case runner, the call server, the start-up probe), real files;
+# bubblewrap binds this folder read-only at /prog.
+SANDBOXED = Path(__file__).resolve().parent / "sandboxed"
+
 
 # Bumped whenever the same response could score differently: evaluate.py keys its caches by it, so that no
 # table mixes scores of two versions. 2: code counts only a full pass (issue #27).
@@ -252,7 +258,7 @@ def sandbox_mode() -> str:
         raise SandboxUnavailable(
             "code rewards run model-written code and need bubblewrap to isolate it: install it "
             "(apt-get install bubblewrap), or set REWARDS_SANDBOX=unshare or rlimits to accept weaker "
-            "isolation (README: Rewards)")
+            "isolation (docs/rewards.md)")
     if mode == "bwrap":
         _probe_bwrap()
     if mode == "unshare" and not (shutil.which("unshare") and _runs(_unshare_prefix() + [sys.executable, "-c", ""])):
@@ -264,30 +270,11 @@ def sandbox_mode() -> str:
     return mode
 
 
-_PROBE = """
-import ctypes, errno, fcntl
-unpack()
-limit(*params["limits"])
-libc = ctypes.CDLL(None, use_errno=True)
-keyring = libc.syscall(params["add_key"], b"user", b"probe", b"x", 1, -4) != -1 or ctypes.get_errno() != errno.EPERM
-namespace = libc.unshare(0x10000000) != -1 or ctypes.get_errno() != errno.EPERM  # CLONE_NEWUSER
-with open("probe", "w") as f:
-    f.write("x")
-    try:
-        fcntl.flock(f, fcntl.LOCK_SH)
-        locks = True
-    except OSError as e:
-        locks = e.errno != errno.ENOLCK
-print("keyring reachable" if keyring else "namespaces allowed" if namespace else "locks shared" if locks else
-      "isolated", flush=True)
-"""
-
-
 def _probe_bwrap() -> None:
     """One sandbox as responses get it: it must start (bubblewrap 0.8 or newer, for the size-limited
     directory), find the keyring, new namespaces and file locks refused, and its own directory writable."""
     try:
-        with _sandbox({}, _PROBE, 10, {"add_key": _syscall_number("add_key")}, talk=True, mode="bwrap") as proc:
+        with _sandbox({}, "probe", 10, {"add_key": _syscall_number("add_key")}, talk=True, mode="bwrap") as proc:
             out, err = proc.communicate(timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
         out, err = b"", str(e).encode()
@@ -319,6 +306,7 @@ def _bwrap_prefix(seccomp_fd: int, tmpfs: str | None = None) -> list[str]:
     # The interpreter's installation goes to /py: its own parents (e.g. /root) may not be
     # traversable by the unprivileged user the program runs as.
     binds += ["--ro-bind", sys.base_prefix, "/py"]
+    binds += ["--ro-bind", str(SANDBOXED), "/prog"]  # the programs this sandbox runs
     # The sandbox's root and /dev are tmpfs too, writable by the program where it runs unprivileged
     # (bubblewrap's user namespace makes it their owner): both read-only once set up.
     own = ["--bind", tmpfs, "/sandbox"] if tmpfs else ["--size", str(CODE_MAX_DISK_BYTES), "--perms", "1777",
@@ -608,30 +596,6 @@ def _workdir(mode: str) -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-# Every program started in the sandbox begins with `params` (limits, counts, names, file descriptors:
-# nothing a program could use), `unpack`, which writes the files it was handed (as the sandbox's root,
-# so that the program cannot change them) and returns its data, and `limit`: resource limits, then the
-# sandbox's own uid. No json in there: its import (with `re`) would be a third of a sandbox's start-up.
-_LIMIT = """
-import marshal, os, resource, sys
-def unpack():
-    with open(params["bundle"], "rb") as f:
-        files, data = marshal.loads(f.read())
-    for name, text in files.items():
-        with open(name, "w", encoding="utf-8") as f:
-            f.write(text)
-    return data
-def limit(cpu, mem, procs, fsize, uid):
-    for what, n in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
-                    (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(what, (n, n))
-    if uid >= 0:
-        os.setgroups([]); os.setgid(uid); os.setuid(uid)
-    if procs > 0:
-        resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
-"""
-
-
 def _limits(mode: str, timeout: float, uid: int) -> list[int]:
     return [math.ceil(timeout) + 1, CODE_MEMORY_BYTES, CODE_MAX_PROCS if _nproc_per_sandbox(mode, uid) else 0,
             CODE_MAX_FILE_BYTES, uid]
@@ -648,18 +612,20 @@ def _nproc_per_sandbox(mode: str, uid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _sandbox(files: dict[str, str], script: str, timeout: float, params: dict, talk: bool = False,
+def _sandbox(files: dict[str, str], program: str, timeout: float, params: dict, talk: bool = False,
              data: object = None, mode: str | None = None):
-    """One sandbox start: `script` run by the sandbox's Python, which first writes `files` into its
-    directory and finds `data` (marshal-able) in unpack(); yields the process (its stdout a pipe, its
-    stdin and stderr too if `talk`); everything it started is killed when the block ends."""
+    """One sandbox start: sandboxed/PROGRAM.py run by the sandbox's Python, which first writes `files` into its
+    directory and finds `data` (marshal-able) in unpack() (sandboxed/limit.py); yields the process (its
+    stdout a pipe, its stdin and stderr too if `talk`); everything it started is killed when the block ends."""
     mode = mode or sandbox_mode()
-    program = _seccomp_program(REFUSED_SYSCALLS, SHARED_STATE_RULES) if mode == "bwrap" else None
+    seccomp_program = _seccomp_program(REFUSED_SYSCALLS, SHARED_STATE_RULES) if mode == "bwrap" else None
     with _sandbox_uid(mode) as uid, _workdir(mode) as workdir, _private_tmpfs(mode, uid) as tmpfs:
         bundle = _fd_holding(marshal.dumps((files, data)))
-        seccomp = _fd_holding(program, pipe=True) if program is not None else None
+        seccomp = _fd_holding(seccomp_program, pipe=True) if seccomp_program is not None else None
         params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode}
-        python = [_sandbox_python(mode), "-I", "-c", f"params = {params!r}\n" + _LIMIT + script]
+        # -B: nothing written beside the programs (their folder is read-only in the sandbox, the project's outside)
+        where = "/prog" if mode == "bwrap" else str(SANDBOXED)
+        python = [_sandbox_python(mode), "-I", "-B", f"{where}/{program}.py", marshal.dumps(params).hex()]
         if mode == "bwrap":
             cmd = _bwrap_prefix(seccomp, tmpfs) + python
         elif mode == "unshare":
@@ -771,134 +737,19 @@ class _Link:
 
 # --- stdin/stdout tests: every case of a response in one sandbox start ---------------------------
 #
-# A runner in the sandbox forks each case from its own already-started interpreter (no Python
-# start-up per case), as its own process: own session, limits, the sandbox's uid, the case's input
-# as stdin (an anonymous file, memfd, that only this case is handed: no case can read another's),
-# its stdout read up to CODE_MAX_OUTPUT_BYTES and its wall time bounded; afterwards everything it
-# left running is killed. The expected outputs never enter the sandbox: the runner sends each
-# case's exit code and output back and the comparison happens here.
-_CASE_RUNNER = r"""
-import atexit, select, signal, time, types
-channel = os.dup(1)
-
-def as_file(text):
-    fd = os.memfd_create("input", 0)
-    with open(fd, "w", encoding="utf-8", closefd=False) as f:
-        f.write(text)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-inputs = [as_file(text) for text in unpack()]
-null = os.open(os.devnull, os.O_RDWR)
-os.dup2(null, 0)
-os.dup2(null, 1)
-same_user = params["limits"][4] < 0
-if same_user:  # cases run as this user: make this process unreadable to them through /proc
-    import ctypes
-    prctl = ctypes.CDLL(None).prctl
-    prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
-
-def run_main():
-    # What `python main.py` does: the script as a fresh __main__ module, then the interpreter's exit
-    # steps (wait for its threads, atexit, flush); its exit status.
-    main = types.ModuleType("__main__")
-    main.__file__ = "main.py"
-    sys.modules["__main__"] = main
-    code = 0
-    try:
-        with open("main.py", "rb") as f:
-            exec(compile(f.read(), "main.py", "exec"), main.__dict__)
-    except SystemExit as e:
-        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        code = 1
-        try:
-            sys.excepthook(*sys.exc_info())
-        except BaseException:
-            pass
-    try:
-        if "threading" in sys.modules:
-            sys.modules["threading"]._shutdown()
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-    except BaseException:
-        code = code or 120
-    return code & 0xFF if -2**63 <= code < 2**63 else 255
-
-def run_case(fd_in):
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        code = 1
-        try:
-            os.setsid()
-            os.dup2(fd_in, 0)
-            os.dup2(w, 1)
-            os.closerange(3, 1 << 16)
-            limit(*params["limits"])
-            if same_user:
-                prctl(4, 1, 0, 0, 0)
-            sys.argv = ["main.py"]
-            code = run_main()
-        finally:
-            os._exit(code)
-    os.close(w)
-    deadline = time.monotonic() + params["timeout"]
-    out, size, result = [], 0, None
-    while result is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            result = (-9, b"", 1)
-        elif select.select([r], [], [], left)[0]:
-            data = os.read(r, 1 << 16)
-            size += len(data)
-            if not data:
-                break
-            if size > params["cap"]:
-                result = (-9, b"", 0)
-            out.append(data)
-    reaped = False
-    while result is None:  # stdout closed: the exit status, within the same deadline
-        reaped, status = os.waitpid(child, os.WNOHANG)
-        if reaped:
-            result = (os.waitstatus_to_exitcode(status), b"".join(out), 0)
-        elif time.monotonic() >= deadline:
-            result = (-9, b"", 1)
-        else:
-            time.sleep(0.001)
-    os.close(r)
-    try:
-        os.killpg(child, signal.SIGKILL)  # the case and whatever it started
-    except OSError:
-        pass
-    if not reaped:
-        os.waitpid(child, 0)
-    if params["mode"] != "rlimits":  # in its own PID namespace: whatever escaped the session goes too
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except OSError:
-            pass
-        try:  # where this runner is the namespace's init (unshare), the orphans are its to reap
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            pass
-    return result
-
-for fd_in in inputs:
-    rc, out, timed_out = run_case(fd_in)
-    data = b"%d %d %d\n" % (rc, timed_out, len(out)) + out
-    while data:
-        data = data[os.write(channel, data):]
-"""
-
+# A runner in the sandbox (sandboxed/case_runner.py) forks each case from its own already-started
+# interpreter (no Python start-up per case), as its own process: own session, limits, the sandbox's
+# uid, the case's input as stdin (an anonymous file, memfd, that only this case is handed: no case can
+# read another's), its stdout read up to CODE_MAX_OUTPUT_BYTES and its wall time bounded; afterwards
+# everything it left running is killed. The expected outputs never enter the sandbox: the runner
+# sends each case's exit code and output back and the comparison happens here.
 
 def run_cases(program: str, inputs: list[str], timeout: float = CODE_TIMEOUT_S) -> Iterator[tuple[int, str, bool]]:
     """Run a Python program once per input, all in one sandbox start; yields (exit code, stdout,
     timed out) per input, in order. A run past its limits yields (-9, "", timed out)."""
     done = 0
     params = {"timeout": timeout, "cap": CODE_MAX_OUTPUT_BYTES}
-    with _sandbox({"main.py": program}, _CASE_RUNNER, timeout, params, data=list(inputs)) as proc:
+    with _sandbox({"main.py": program}, "case_runner", timeout, params, data=list(inputs)) as proc:
         link = _Link(proc, time.monotonic() + 5 + len(inputs) * (timeout + 1),
                      len(inputs) * (CODE_MAX_OUTPUT_BYTES + 64))
         try:
@@ -932,122 +783,6 @@ def _normalize_output(s: str) -> str:
 # builtin types only (an object equal to everything, an int subclass, a patched builtin cannot
 # cross). The sandbox has its own PID namespace and user: it cannot see, signal or trace this
 # process. Whatever breaks the protocol fails the test.
-
-def encode_plain(x: object, depth: int = 0) -> object:
-    """x as tagged data (lists, ASCII strings, None, booleans): None, bool, int, float (inf and nan
-    too), complex, str, bytes, and lists, tuples, sets, frozensets and dicts of these, each keeping
-    its type. An instance of a subclass (Counter, namedtuple, IntEnum) is encoded as its builtin
-    base's value: what it overrides (an __eq__ that is always True) stays behind. ValueError for
-    anything else."""
-    if x is None or type(x) is bool:
-        return x
-    if depth > 100:
-        raise ValueError("nested too deeply")
-    if isinstance(x, str):
-        return ["u", str.encode(x, "utf-8", "surrogatepass").hex()]
-    if isinstance(x, int):
-        return ["i", hex(int.__int__(x))]
-    if isinstance(x, float):
-        return ["f", float.hex(x)]
-    if isinstance(x, complex):
-        return ["c", [float.hex(x.real), float.hex(x.imag)]]
-    if isinstance(x, bytes):
-        return ["b", bytes.hex(x)]
-    if isinstance(x, dict):
-        return ["d", [[encode_plain(k, depth + 1), encode_plain(v, depth + 1)] for k, v in dict.items(x)]]
-    for base, tag in ((list, "l"), (tuple, "t"), (set, "s"), (frozenset, "fs")):
-        if isinstance(x, base):
-            return [tag, [encode_plain(v, depth + 1) for v in base.__iter__(x)]]
-    raise ValueError(f"not plain data: {type(x).__name__}")
-
-
-def decode_plain(x: object, depth: int = 0) -> object:
-    """The value encode_plain described, built from builtin types only; ValueError (or TypeError for
-    an unhashable key) for anything else, whatever the sender wrote."""
-    if x is None or type(x) is bool:
-        return x
-    if type(x) is not list or len(x) != 2 or type(x[0]) is not str or depth > 100:
-        raise ValueError("not an encoded value")
-    tag, body = x
-    if tag == "u" and type(body) is str:
-        return bytes.fromhex(body).decode("utf-8", "surrogatepass")
-    if tag in ("i", "f", "b") and type(body) is str:
-        return int(body, 16) if tag == "i" else float.fromhex(body) if tag == "f" else bytes.fromhex(body)
-    if tag == "c" and type(body) is list and [type(v) for v in body] == [str, str]:
-        return complex(float.fromhex(body[0]), float.fromhex(body[1]))
-    if type(body) is not list:
-        raise ValueError("not an encoded value")
-    if tag == "d":
-        if not all(type(kv) is list and len(kv) == 2 for kv in body):
-            raise ValueError("not an encoded dict")
-        return {decode_plain(k, depth + 1): decode_plain(v, depth + 1) for k, v in body}
-    items = [decode_plain(v, depth + 1) for v in body]
-    if tag == "l":
-        return items
-    if tag == "t":
-        return tuple(items)
-    if tag == "s":
-        return set(items)
-    if tag == "fs":
-        return frozenset(items)
-    raise ValueError(f"unknown tag {tag!r}")
-
-
-# The call server: limits and the privilege drop first, then the solution, then one reply per call.
-_CALL_SERVER = r"""
-unpack()
-channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.dup(1)
-null = os.open(os.devnull, os.O_RDWR)
-os.dup2(null, 0)  # the solution's reads and prints must not touch the channel: its stdout goes to
-os.dup2(2, 1)  # the scorer's other pipe (counted against the output cap), its stderr nowhere
-os.dup2(null, 2)
-limit(*params["limits"])
-sys.argv = ["main.py"]
-
-def as_json(x):  # encode_plain's output is lists, ASCII strings, None and booleans
-    if x is None or type(x) is bool:
-        return "null" if x is None else "true" if x else "false"
-    return '"' + x + '"' if type(x) is str else "[" + ",".join(map(as_json, x)) + "]"
-
-def reply(kind, body=None):
-    data = ("[" + as_json(kind) + "," + as_json(body) + "]\n").encode()
-    while data:
-        data = data[os.write(channel_out, data):]
-
-def request():  # the scorer's own data, length-prefixed marshal
-    head = channel_in.read(8)
-    return marshal.loads(channel_in.read(int.from_bytes(head, "little"))) if len(head) == 8 else None
-
-ns = {"__name__": "solution"}
-try:
-    exec(compile(open("prelude.py").read(), "prelude.py", "exec"), ns)
-    exec(compile(open("main.py").read(), "solution.py", "exec"), ns)
-    entry = ns[params["entry_point"]]
-except BaseException:
-    os._exit(1)
-objects = []  # instances the entry point made, when it is a class (LiveCodeBench's Solution)
-reply("ready")
-while (call := request()) is not None:
-    target, args, kwargs = call
-    try:
-        fn = entry if target is None else getattr(objects[target[0]], target[1])
-        result = fn(*decode_plain(args), **decode_plain(kwargs))
-    except BaseException as e:
-        try:
-            message = str(e)[:1000]
-        except BaseException:
-            message = ""
-        reply("raised", encode_plain((type(e).__name__, message)))
-        continue
-    try:
-        reply("value", encode_plain(result))
-    except (ValueError, RecursionError):
-        if target is None and isinstance(entry, type) and type(result) is entry:
-            objects.append(result)
-            reply("object", str(len(objects) - 1))
-        else:
-            reply("unplain")
-"""
 
 
 class _Disqualified(BaseException):
@@ -1113,16 +848,11 @@ class _Remote:
         return lambda *args, **kwargs: self._calls.call([self._id, name], args, kwargs)
 
 
-@functools.cache
-def _server_script() -> str:
-    return inspect.getsource(encode_plain) + inspect.getsource(decode_plain) + _CALL_SERVER
-
-
 def check_function(code: str, tests: dict, timeout: float = CODE_TIMEOUT_S) -> bool:
     """Whether the solution `code` passes `tests` ({"test", "entry_point"[, "prelude"]}): the test's
     check(candidate) runs here against a stub of the entry point; the solution runs in the sandbox."""
     prelude, entry = tests.get("prelude", ""), tests["entry_point"]
-    with _sandbox({"main.py": code, "prelude.py": prelude}, _server_script(), timeout, {"entry_point": entry},
+    with _sandbox({"main.py": code, "prelude.py": prelude}, "call_server", timeout, {"entry_point": entry},
                   talk=True) as proc:
         calls = _Calls(_Link(proc, time.monotonic() + timeout, CODE_MAX_OUTPUT_BYTES))
         try:

@@ -4,38 +4,33 @@
         --dataset BytedTsinghua-SIA/DAPO-Math-17k --template dapo
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 train_grpo.py     # the offline demo
 
-One step, top to bottom:
-  1. rollout     every rank samples G responses for its share of the prompts with its own
-                 colocated, in-process vLLM engine;
-  2. reward      rule-based, verifiable (rewards.py);
-  3. advantage   A_i = (r_i - mean_g) / (std_g + eps) within each group of G;
-  4. aggregate   one weight w_i per response so that loss = sum_i w_i sum_t l_it over the
-                 global batch (the three rules of the paper, `aggregation_weights`);
-  5. update      PPO-clip surrogate per token, ZeRO-3 backward/step per mini-batch;
-  6. sync        gather ZeRO-3 partitions one parameter at a time into vLLM, in place.
+One step, top to bottom: the numbered sections of this file, and main()'s loop.
+  1. rollout      every rank samples G responses for its share of the prompts with its own
+                  colocated, in-process vLLM engine;
+  2. reward       rule-based, verifiable (rewards.py);
+  3. advantage    A_i = (r_i - mean_g) / (std_g + eps) within each group of G;
+  4. aggregate    one weight w_i per response so that loss = sum_i w_i sum_t l_it over the
+                  mini-batch (the paper's rules and the peer trainers', `aggregation_weights`);
+  5. policy loss  PPO-clip (or GSPO, CISPO, SAPO) per token, l_it;
+  6. update       ZeRO-3 backward and step per mini-batch, over length-sorted micro-batches;
+  7. sync         gather ZeRO-3 partitions one parameter at a time into vLLM, in place.
+Then the engines and the distributed set-up, then main(). The run's plumbing (argument checks, the
+run directory, checkpoints, early ends, metrics and loggers) is in grpo_run.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
-import fcntl
-import functools
 import io
 import json
 import logging
 import math
 import os
 import random
-import re
-import signal
-import socket
 import sys
-import tempfile
 import time
 import warnings
-import zipfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -58,15 +53,37 @@ import torch.utils.checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from data.prepare import first_line, is_hub_id  # noqa: E402  (first_line: an error's, for one-line messages)
+from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run directory, checkpoints, metrics)
+    check_args,
+    check_output_dir,
+    damaged_shard,
+    exit_without_teardown,
+    first_line,
+    gpu_memory,
+    installed_versions,
+    load_training_state,
+    model_flops_fn,
+    one_line_early_ends,
+    open_loggers,
+    pin_mismatch,
+    resume_point,
+    rng_state,
+    run_identity,
+    save_checkpoint,
+    seed_rngs,
+    set_rng_state,
+    step_metrics,
+)
 from jit_cache import check_jit_cache, jit_extensions_dir  # noqa: E402  (DeepSpeed's JIT-built ops)
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_extensions_dir())  # a user's own choice is kept
+
 
 # -----------------------------------------------------------------------------
 # Hyperparameters. Defaults follow the DAPO recipe (clip-higher 0.2/0.28, lr 1e-6 with
 # 10 warm-up steps, no KL, 16 responses per prompt, 512 prompts per step in 16
 # mini-batches). `--model demo` switches to DEMO_DEFAULTS unless a flag is given.
+
 
 DEMO_DEFAULTS = dict(
     dataset="demo", eval_dataset="demo-test", template="plain", lr=2e-4, lr_warmup_steps=0,
@@ -74,13 +91,21 @@ DEMO_DEFAULTS = dict(
     max_prompt_len=32, max_response_len=12, steps=40, eval_interval=10, save_interval=20,
     eval_samples=4, eval_limit=200, output_dir="runs/demo",
 )
+
+
 # The aggregation lab (data/demo.py): the same task, with responses of 5-35 tokens whose failures
 # ramble longer; output in runs/lab-AGG (or runs/lab-nogap-AGG), a checkpoint every 10 steps.
 LAB_DEFAULTS = {**DEMO_DEFAULTS, "max_response_len": 48, "save_interval": 10, "output_dir": None}
+
+
 OFFLINE_DEFAULTS = {"demo": DEMO_DEFAULTS, "lab": LAB_DEFAULTS, "lab-nogap": LAB_DEFAULTS, "lab-nogap-hi": LAB_DEFAULTS}
+
+
 # the aggregation rules (aggregation_weights) and each policy loss's published defaults (policy_loss_per_token),
 # applied to the flags left unset
 AGGS = ["seq", "token", "balanced", "balanced-batch", "token-batch", "dr-grpo", "seq-sum"]
+
+
 POLICY_LOSS_DEFAULTS = {
     "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.28),  # DAPO's clip-higher
     "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),  # GSPO's, on the sequence ratio
@@ -99,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--agg", default="balanced", choices=AGGS, help="loss aggregation rule (README's table; balanced-batch: this "
       "project's variant)")
     a("--policy-loss", default="ppo", choices=list(POLICY_LOSS_DEFAULTS),
-      help="per-token surrogate: PPO-clip, GSPO, CISPO or SAPO (README; each with its paper's defaults)")
+      help="per-token surrogate: PPO-clip, GSPO, CISPO or SAPO (docs/workbench.md; each with its paper's defaults)")
     a("--group-size", type=int, default=16, help="G: responses sampled per prompt")
     a("--prompts-per-step", type=int, default=512, help="prompts per rollout batch, over all ranks")
     a("--minibatches", type=int, default=16, help="optimizer updates per rollout batch")
@@ -107,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="responses per forward/backward per rank at most (default 4; with a token budget: no cap but it)")
     a("--micro-batch-tokens", type=int, default=None,
       help="padded tokens per forward/backward per rank: micro-batches of length-sorted responses filled up to it "
-           "(default: on CUDA sized from the free memory at the first update, README: GPU; on the CPU 0 = off)")
+           "(default: on CUDA sized from the free memory at the first update, docs/gpu.md; on the CPU 0 = off)")
     a("--lr", type=float, default=1e-6)
     a("--lr-warmup-steps", type=int, default=10, help="rollout steps of linear warm-up")
     a("--weight-decay", type=float, default=0.1)
@@ -156,15 +181,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="responses per forward-only pass (old and reference log-probs) per rank; default 4 x --micro-batch-size "
            "(with a token budget: no cap but it)")
     a("--deterministic", action="store_true",
-      help="bit-exact reruns of the update on CUDA: deterministic kernels, eager attention (slower; README: GPU)")
+      help="bit-exact reruns of the update on CUDA: deterministic kernels, eager attention (slower; docs/gpu.md)")
     a("--rollout-seed", default="request", choices=["request", "engine"],
       help="request: each prompt's samples seeded by (seed, step, prompt), whatever the sharding; engine: each "
-           "engine's own stream, seeded by --seed + rank (README: GPU)")
-    a("--vllm-gpu-memory", type=float, default=0.7, help="CUDA only: vLLM's share of GPU memory (README: GPU)")
+           "engine's own stream, seeded by --seed + rank (docs/gpu.md)")
+    a("--vllm-gpu-memory", type=float, default=0.7, help="CUDA only: vLLM's share of GPU memory (docs/gpu.md)")
     a("--vllm-max-num-seqs", type=int, default=256, help="CUDA only: sequences vLLM decodes at once per engine")
     a("--reward-workers", type=int, default=4)
     a("--code-reward", default="all-pass", choices=["all-pass", "fraction"],
-      help="code: 1 only when every test passes (default, as accuracy counts), or the fraction of stdio cases (README)")
+      help="code: 1 only when every test passes (default, as accuracy counts), or the fraction of stdio cases "
+           "(docs/rewards.md)")
     a("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     pre, _ = p.parse_known_args(argv)
     if pre.model in OFFLINE_DEFAULTS:
@@ -192,125 +218,151 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_finite(args: argparse.Namespace) -> None:
-    """Every float argument (and every float in a list argument) is a finite number: NaN passes every
-    comparison of a range check as False (`--kl-coef nan` is not < 0), and inf turns into NaN weights."""
-    for k, v in vars(args).items():
-        for x in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(x, float) and not math.isfinite(x):
-                raise ValueError(f"--{k.replace('_', '-')} must be a finite number (got {x})")
+# -----------------------------------------------------------------------------
+# 1. Rollout: G responses per prompt from this rank's colocated vLLM engine, with the log-probs it
+# sampled them with; --dynamic-sampling keeps only groups whose scores differ.
 
 
-SEED_MAX = 2**31 - 1  # vLLM seeds NumPy with seed + rank, and NumPy takes [0, 2^32)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+def next_prompts(order: list[int], n_rows: int, args, step: int) -> tuple[list[int], list[int]]:
+    """This step's prompts over all ranks and the order left: seeded epochs, the same on every rank."""
+    while len(order) < args.prompts_per_step:
+        epoch = list(range(n_rows))
+        random.Random(args.seed + len(order) + step).shuffle(epoch)
+        order = order + epoch
+    return order[: args.prompts_per_step], order[args.prompts_per_step :]
 
 
-def model_dir_problem(path: str) -> str | None:
-    """What a local model folder lacks that the loaders need, in words (transformers names neither:
-    "Couldn't instantiate the backend tokenizer from one of:"); None when it has config.json and a tokenizer."""
-    d = Path(path)
-    if not (d / "config.json").is_file():
-        return "no config.json in it (a Hugging Face model folder holds config.json, weights and tokenizer files)"
-    try:
-        text = (d / "config.json").read_text()
-        config = json.loads(text) if text.strip() else None
-    except (OSError, ValueError) as e:
-        return f"its config.json cannot be read ({first_line(e)})"
-    if not isinstance(config, dict) or not config:
-        return "its config.json is empty" if not text.strip() else "its config.json is not a JSON object of settings"
-    if not any((d / f).exists() for f in TOKENIZER_FILES) and not any(d.glob("*.tiktoken")):
-        return (f"no tokenizer files in it ({', '.join(TOKENIZER_FILES[:2])}, ...): copy them from the model it was "
-                "trained from")
-    return None
+def sampling_seed(seed: int, step: int, prompt_index: int, n: int) -> int:
+    # vLLM gives the j-th of n samples seed+j, so per-prompt seeds are spaced by n.
+    return ((seed * 100_003 + step) * 1_000_003 + prompt_index) * n % (2**31 - n)
 
 
-def check_args(args: argparse.Namespace, world: int) -> None:
-    """Fail in one line, with the rule, before any expensive work, on settings that cannot run."""
-    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
-    check_finite(args)
-    at_least_1 = ["minibatches", "micro_batch_size", "steps", "max_prompt_len", "max_response_len", "logprob_chunk",
-                  "eval_interval", "eval_samples", "eval_limit", "save_interval", "max_bad_steps", "reward_workers",
-                  "max_sample_rounds", "logprob_batch_size", "vllm_max_num_seqs"]
-    for k in at_least_1:
-        if getattr(args, k) is not None and getattr(args, k) < 1:  # None: no cap but the token budget
-            raise ValueError(f"{flag(k)} must be at least 1 (got {getattr(args, k)})")
-    if (args.micro_batch_tokens or 0) < 0:
-        raise ValueError(f"--micro-batch-tokens must be >= 0 (got {args.micro_batch_tokens}; 0: by "
-                         "--micro-batch-size alone)")
-    if args.keep_last < 1:
-        raise ValueError(f"--keep-last must be at least 1 (got {args.keep_last}): a resume needs the newest full "
-                         "state; give a number above --steps / --save-interval to keep them all")
-    for k in ["lr_warmup_steps", "weight_decay", "kl_coef", "clip_eps_high", "overlong_buffer", "overlong_penalty"]:
-        if (getattr(args, k) or 0) < 0:  # None: a policy loss without that parameter
-            raise ValueError(f"{flag(k)} must be >= 0 (got {getattr(args, k)})")
-    own = POLICY_LOSS_DEFAULTS[args.policy_loss]
-    for k in ("clip_eps_low", "clip_eps_high", "sapo_tau_pos", "sapo_tau_neg"):
-        if k not in own and getattr(args, k) is not None:
-            raise ValueError(f"{flag(k)} does not apply to --policy-loss {args.policy_loss} (its parameters: "
-                             + ", ".join(map(flag, own)) + ")")
-    low, cispo = args.clip_eps_low, args.policy_loss == "cispo"  # cispo: 1 = no lower bound on the weight
-    ranges = {"lr": (0 < args.lr <= 1, "in (0, 1]"), "temperature": (args.temperature > 0, "> 0 (sampled groups)"),
-              "top_p": (0 < args.top_p <= 1, "in (0, 1]"),
-              "clip_eps_low": (low is None or 0 <= low < 1 or (cispo and low == 1),
-                               "in [0, 1]" if cispo else "in [0, 1)"),
-              "sapo_tau_pos": (args.sapo_tau_pos is None or args.sapo_tau_pos > 0, "> 0"),
-              "sapo_tau_neg": (args.sapo_tau_neg is None or args.sapo_tau_neg > 0, "> 0"),
-              "weight_decay": (args.lr * args.weight_decay < 1, "< 1 / --lr (AdamW scales the weights by 1 - lr x "
-                               "weight decay at every update)"),
-              "vllm_gpu_memory": (0 < args.vllm_gpu_memory < 1, "in (0, 1)"),
-              "rollout_correction_cap": (args.rollout_correction_cap > 1, "> 1"),
-              "overlong_buffer": (args.overlong_buffer <= args.max_response_len, "at most --max-response-len"),
-              "peak_tflops": (args.peak_tflops is None or args.peak_tflops > 0, "> 0"),
-              "seed": (0 <= args.seed <= SEED_MAX, f"in [0, {SEED_MAX}] (vLLM's range)")}
-    for k, (ok, rule) in ranges.items():
-        if not ok:
-            raise ValueError(f"{flag(k)} must be {rule} (got {getattr(args, k)})")
-    # Finite in float64 is not enough: these reach float32 tensors (clamp bounds, SAPO's gate, the loss) and
-    # vLLM's sampler, where 1e39 is inf; the bounds lie far past any useful value.
-    bounds = {"clip_eps_high": (0, 1e4, "a wider clip clips nothing more; 1 + eps must fit a float32 ratio"),
-              "rollout_correction_cap": (1, 1e4, "a higher cap truncates nothing more; it must fit float32"),
-              "sapo_tau_pos": (1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
-              "sapo_tau_neg": (1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
-              "kl_coef": (0, 1e4, "it scales float32 per-token terms"),
-              "overlong_penalty": (0, 1e4, "the 0/1 scores must not vanish next to it in the reward"),
-              "temperature": (0.01, 100, "vLLM samples at 0.01 below it, and uniformly long before 100"),
-              "peak_tflops": (0, 1e6, "TFLOP/s of one device")}
-    for k, (lo, hi, why) in bounds.items():
-        v = getattr(args, k)
-        if v is not None and not lo <= v <= hi:
-            raise ValueError(f"{flag(k)} must be in [{lo:g}, {hi:g}] (got {v:g}): {why}")
-    if "overlong_penalty" in getattr(args, "flags_given", ()) and not args.overlong_buffer:
-        raise ValueError("--overlong-penalty has no effect without --overlong-buffer N (the last N tokens before "
-                         "--max-response-len, over which the penalty grows to it)")
-    if args.group_size < 2:
-        raise ValueError("--group-size must be at least 2: group advantages compare a response with its siblings")
-    if args.prompts_per_step < world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} is smaller than the {world} ranks")
-    if args.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world} ranks")
-    per_rank = args.prompts_per_step // world
-    if per_rank % args.minibatches:
-        raise ValueError(
-            f"each rank's {per_rank} prompts per step do not split into --minibatches {args.minibatches}"
-        )
-    if not args.model.strip():
-        raise ValueError("--model is empty (need a checkpoint dir, a hub id, or demo / lab / lab-nogap)")
-    if args.model not in OFFLINE_DEFAULTS and not os.path.isdir(args.model) and not is_hub_id(args.model):
-        raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir or a hub id)")
-    if args.model not in OFFLINE_DEFAULTS and os.path.isdir(args.model) and (problem := model_dir_problem(args.model)):
-        raise ValueError(f"--model {args.model}: {problem}")
-    accelerator = os.environ.get("DS_ACCELERATOR")
-    if accelerator is not None and accelerator not in ("cuda", "cpu", "xpu", "npu", "mps", "hpu", "mlu"):
-        raise ValueError(f"DS_ACCELERATOR={accelerator} is not an accelerator DeepSpeed knows (cpu, cuda, ...)")
-    if "wandb" in args.report_to:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ValueError("--report-to wandb: wandb is not installed (pip install wandb)") from None
+def sampling_params(n: int, temperature: float, top_p: float, max_tokens: int, seed: int | None, step: int,
+                    prompt_indices, logprobs: int | None = None) -> list:
+    """One SamplingParams per prompt, seeded by the prompt's index in the whole set (sampling_seed):
+    its samples do not depend on how the prompts are sharded over ranks or engines. The trainer's
+    rollouts and evaluations and evaluate.py all sample through here. seed None: no per-request
+    seed, the engine's own stream (--rollout-seed engine)."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=logprobs,
+                           seed=None if seed is None else sampling_seed(seed, step, i, n)) for i in prompt_indices]
+
+
+def generate(llm, rows: list[dict], params: list) -> list:
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows], params, use_tqdm=False)
+
+
+def to_rollouts(rows: list[dict], outputs: list) -> list[dict]:
+    """One record per sampled response, G consecutive per prompt; vLLM's token ids as returned."""
+    def sampled_logp(c) -> torch.Tensor | None:
+        return torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) if c.logprobs else None
+
+    return [
+        {"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
+         "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids),
+         "truncated": c.finish_reason == "length", "old_logp": None, "vllm_logp": sampled_logp(c)}
+        for row, o in zip(rows, outputs) for c in o.outputs
+    ]
+
+
+def rollout(llm, rows: list[dict], args, step: int, first_index: int) -> list[dict]:
+    """G responses per prompt (prompt j of this rank is prompt first_index + j of the step), each
+    token with the log-prob vLLM sampled it with."""
+    seed = args.seed if args.rollout_seed == "request" else None
+    params = sampling_params(args.group_size, args.temperature, args.top_p, args.max_response_len, seed,
+                             step, range(first_index, first_index + len(rows)), logprobs=0)
+    return to_rollouts(rows, generate(llm, rows, params))
+
+
+def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, rank: int, world: int,
+                timer: dict, reward_stats: dict, progress=None) -> tuple[list[dict], list[int], dict[str, float]]:
+    """This rank's share of the step's groups, scored; the data order left; the sampling's metrics.
+
+    One round: --prompts-per-step prompts P, prompt j of rank r being the step's prompt r P/world + j.
+    --dynamic-sampling (DAPO): rounds of P fresh prompts (round k's prompt i has the index k P + i, so
+    a round samples as a plain step would), keeping the groups whose scores are not all equal, until
+    P are kept or --max-sample-rounds have run. The first P kept, in sampling order, are the step's,
+    dealt to the ranks as a plain step's prompts are (deal_groups): which groups a step trains on does
+    not depend on the number of ranks. None kept: the last round's groups, which carry no signal.
+    progress(text): told the rounds so far and the groups kept, from the second round on.
+    """
+    P, G, n = args.prompts_per_step, args.group_size, args.prompts_per_step // world
+    held, kept, correct = {}, [], 0.0
+    for rnd in range(args.max_sample_rounds if args.dynamic_sampling else 1):
+        t0 = time.time()
+        batch_idx, order = next_prompts(order, len(train_rows), args, step)
+        first = rnd * P + rank * n
+        rollouts = rollout(llm, [train_rows[i] for i in batch_idx[rank * n : (rank + 1) * n]], args, step, first)
+        timer["rollout"] = timer.get("rollout", 0.0) + time.time() - t0
+        t0 = time.time()
+        score(rollouts, args, reward_stats)
+        timer["reward"] = timer.get("reward", 0.0) + time.time() - t0
+        if not args.dynamic_sampling:
+            return rollouts, order, {}
+        kept += mixed_groups({first + j: rollouts[j * G : (j + 1) * G] for j in range(n)}, held)
+        correct += sum(r["score"] >= 1 for r in rollouts)
+        if len(kept) >= P:
+            break
+        if progress is not None and rnd + 1 < args.max_sample_rounds:  # many rounds must not look like a hang
+            progress(f"sampling round {rnd + 2}/{args.max_sample_rounds}, {len(kept)}/{P} groups kept")
+    rounds, batch = rnd + 1, deal_groups(held, kept, P, args.minibatches, rank, world)
+    accuracy = all_reduce([correct]).item() / (rounds * P * G)
+    return batch or rollouts, order, {"sample/rounds": rounds, "sample/prompts": rounds * P,
+                                      "sample/accuracy": accuracy, "sample/kept_share": len(kept) / (rounds * P),
+                                      "sample/groups": len(batch) // G * world}
+
+
+def mixed_groups(groups: dict[int, list[dict]], held: dict[int, list[dict]]) -> list[int]:
+    """Every rank's ids of the groups whose scores are not all equal, in sampling order (one collective);
+    this rank's such `groups` are added to `held`."""
+    mixed = [gid for gid, g in groups.items() if len({r["score"] for r in g}) > 1]
+    held.update((gid, groups[gid]) for gid in mixed)
+    return sorted(gid for part in all_gather_objects(mixed) for gid in part)
+
+
+def deal_groups(held: dict[int, list[dict]], kept: list[int], target: int, minibatches: int, rank: int,
+                world: int) -> list[dict]:
+    """This rank's contiguous block of the first `target` kept groups (`kept`: every rank's, in sampling
+    order; fewer kept: the most that divide into ranks x mini-batches), [] for none. `held`: the kept
+    groups this rank sampled; the others' come over in one collective."""
+    k = min(target, len(kept)) // (world * minibatches) * (world * minibatches)
+    if k == 0:
+        return []
+    share = k // world
+    owner = {gid: i // share for i, gid in enumerate(kept[:k])}
+    leaving = {gid: [{key: v for key, v in r.items() if key not in ("row", "text")} for r in g]
+               for gid, g in held.items() if owner.get(gid, rank) != rank}
+    arrived = {gid: g for part in all_gather_objects(leaving) for gid, g in part.items()}
+    return [r for gid in kept[rank * share : (rank + 1) * share] for r in held.get(gid) or arrived[gid]]
 
 
 # -----------------------------------------------------------------------------
-# GRPO: advantages and the three aggregation rules
+# 2. Reward: rule-based and verifiable (rewards.py), DAPO's soft overlong penalty on top.
+
+
+def overlong_penalty(length: int, args) -> float:
+    """DAPO's soft overlong punishment: 0 up to L_max - L_buf tokens, then falling linearly to -alpha at
+    L_max = --max-response-len (L_buf: --overlong-buffer, alpha: --overlong-penalty)."""
+    buffer = args.overlong_buffer
+    return -args.overlong_penalty * max(0, length - (args.max_response_len - buffer)) / buffer if buffer else 0.0
+
+
+def score(rollouts: list[dict], args, stats: dict) -> None:
+    """Each response's verifier score (rewards.py) and its reward: the score plus overlong_penalty."""
+    from rewards import compute_rewards, reference
+
+    scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
+                             [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=stats,
+                             code_partial=args.code_reward == "fraction")
+    for r, s in zip(rollouts, scores):
+        r["score"], r["reward"] = s, s + overlong_penalty(r["length"], args)
+
+
+# -----------------------------------------------------------------------------
+# 3. Group advantages
 
 
 def group_advantages(
@@ -322,6 +374,10 @@ def group_advantages(
     if scale_by_std:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
     return adv.view(-1)
+
+
+# -----------------------------------------------------------------------------
+# 4. Aggregation weights: the paper's rules and the peer trainers', one weight per response
 
 
 def aggregation_weights(
@@ -406,6 +462,11 @@ def loss_weights(advantages: torch.Tensor, rollouts: list[dict], args) -> torch.
                                           args.max_response_len) for s, b in zip(parts, batch)])
 
 
+# -----------------------------------------------------------------------------
+# 5. Policy loss per token: PPO-clip, GSPO, CISPO, SAPO; log-probs without a [tokens x vocab]
+# float32 logits tensor
+
+
 def response_mean(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Each response's mean of the per-token x, repeated on its tokens (`lengths`: tokens of each, in order)."""
     owner = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths.to(x.device))
@@ -480,10 +541,6 @@ def policy_loss_per_token(
     return loss_t, stats
 
 
-# -----------------------------------------------------------------------------
-# Per-token log-probs without a [tokens x vocab] float32 logits tensor
-
-
 def _chunk_logprobs(weight: torch.Tensor, bias, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
@@ -539,6 +596,10 @@ def chunked_logprobs(
             lm_head.forward = own
 
 
+# -----------------------------------------------------------------------------
+# 6. Update: ZeRO-3 backward and step per mini-batch, over length-sorted micro-batches
+
+
 def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device) -> tuple[torch.Tensor, ...]:
     """Right-padded input_ids, attention_mask and response_mask for sequences prompt+response."""
     width = max(map(len, seqs))
@@ -591,8 +652,21 @@ def rank_micro_batches(batch: list[dict], max_rows: int | None, max_tokens: int)
     return parts
 
 
-# -----------------------------------------------------------------------------
-# The ZeRO-3 update on one mini-batch
+@torch.no_grad()
+def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
+    """r[key] = the engine's per-token log-probs of each response, --logprob-batch-size responses per forward.
+
+    A forward-only pass keeps no activations for a backward, so it takes a larger batch than the
+    update's micro-batch; under ZeRO-3 every forward gathers every parameter, so fewer passes
+    gather less (docs/step_benchmark.md). Batches are bucketed by length and cut by the token budget (the
+    update's: the hidden states of every layer are returned, as many bytes as the update's checkpoints).
+    """
+    for idx in rank_micro_batches(rollouts, args.logprob_batch_size, args.micro_batch_tokens):
+        mb = [rollouts[i] for i in idx]
+        ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
+        lp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk).float().cpu()
+        for r, x in zip(mb, lp.split([r["length"] for r in mb])):
+            r[key] = x
 
 
 def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, device) -> dict[str, float]:
@@ -639,6 +713,48 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
     return sums
 
 
+def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, device, world: int,
+           timer: dict) -> dict[str, float]:
+    """Steps 4-6 on this rank's rollout batch: old log-probs (only when the policy moves between
+    mini-batches; else the detached current ones) and reference ones (only with KL), the aggregation
+    weights once, then one ZeRO-3 update per mini-batch of whole groups. This rank's sums for the metrics."""
+    t0 = time.time()
+    if args.minibatches > 1:
+        fill_logprobs(engine, rollouts, "old_logp", args, device)
+    if ref_engine is not None:
+        fill_logprobs(ref_engine, rollouts, "ref_logp", args, device)
+    timer["logprobs"] = time.time() - t0
+    t0 = time.time()
+    engine.train()
+    weights = loss_weights(adv, rollouts, args)
+    # No learning signal anywhere (every group has zero reward variance, no KL term):
+    # skip the update rather than let AdamW's momentum and decay move the weights.
+    learns = all_reduce([float(bool((adv != 0).any()) or args.kl_coef > 0)], op="max").item() > 0
+    sums, per_mb = defaultdict(float), len(rollouts) // args.minibatches
+    for mb in range(args.minibatches if learns else 0):
+        part = slice(mb * per_mb, (mb + 1) * per_mb)
+        s = update_minibatch(engine, rollouts[part], weights[part], args, device)
+        bad = s.pop("skipped") > 0  # as DeepSpeed decided: the weights did not move
+        for k, v in s.items():
+            sums[k] += 0.0 if bad else v
+        sums["skipped_updates"] += bad / world
+        sums["updates"] += (not bad) / world
+    timer["update"] = time.time() - t0
+    return sums
+
+
+def memory_to_update(llm, engine, args, rank: int) -> None:
+    """CUDA, after the rollout: vLLM sleeps at level 2 (weights discarded, not copied to host: the sync
+    reloads them; its KV cache freed), and what is free then sizes the micro-batches (first step)."""
+    llm.sleep(level=2)
+    torch.cuda.empty_cache()
+    if args.micro_batch_tokens is None:
+        args.micro_batch_tokens = token_budget(engine.module.config, torch.cuda.mem_get_info()[0],
+                                               engine.module.is_gradient_checkpointing, args.logprob_chunk)
+        if rank == 0:
+            print(f"[grpo] micro-batches of up to {args.micro_batch_tokens} tokens (--micro-batch-tokens)", flush=True)
+
+
 def token_budget(config, free_bytes: int, checkpointing: bool, chunk: int) -> int:
     """--micro-batch-tokens on CUDA by default: half the memory free once the engines hold theirs (vLLM
     asleep), less the log-prob chunk's fp32 logits (three [chunk x vocab] tensors), over an estimate of the
@@ -658,132 +774,8 @@ def nonfinite_weights(engine) -> int:
     return int(all_reduce([torch.stack(counts).sum().item()]).item())
 
 
-@torch.no_grad()
-def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
-    """r[key] = the engine's per-token log-probs of each response, --logprob-batch-size responses per forward.
-
-    A forward-only pass keeps no activations for a backward, so it takes a larger batch than the
-    update's micro-batch; under ZeRO-3 every forward gathers every parameter, so fewer passes
-    gather less (README: Step benchmark). Batches are bucketed by length and cut by the token budget (the
-    update's: the hidden states of every layer are returned, as many bytes as the update's checkpoints).
-    """
-    for idx in rank_micro_batches(rollouts, args.logprob_batch_size, args.micro_batch_tokens):
-        mb = [rollouts[i] for i in idx]
-        ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
-        lp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk).float().cpu()
-        for r, x in zip(mb, lp.split([r["length"] for r in mb])):
-            r[key] = x
-
-
 # -----------------------------------------------------------------------------
-# Collectives. NCCL serves CUDA tensors only ("No backend type associated with device type
-# cpu"), gloo CPU tensors: every collective of the project goes through these two functions,
-# which put the data on the device the backend serves (tests/test_collectives.py enforces it).
-
-
-def collective_device() -> torch.device:
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
-
-
-def all_reduce(values, op: str = "sum") -> torch.Tensor:
-    """A vector of numbers summed ("sum") or maximised ("max") over ranks; float64, on the CPU."""
-    import torch.distributed as dist
-
-    t = torch.as_tensor(values, dtype=torch.float64).to(collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return t.cpu()
-
-
-def all_gather_objects(obj) -> list:
-    """Every rank's picklable `obj`, in rank order (NCCL: pickled through the current CUDA device)."""
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-# -----------------------------------------------------------------------------
-# vLLM: rollout engine and weight sync
-
-
-def make_vllm(model_path: str, args, rank: int, local_rank: int):
-    from transformers import AutoConfig
-    from vllm import LLM
-
-    # Expected at every sync, not a failure: rotary embeddings have no weights, and a tied
-    # lm_head receives its weights through embed_tokens. An untied lm_head that fails to load
-    # is a real failure and stays visible.
-    expected = {"RotaryEmbedding: Failed to load weights"}
-    if getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False):
-        expected.add("ParallelLMHead: Failed to load weights")
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-        lambda record: record.getMessage() not in expected)
-
-    max_len = args.max_prompt_len + args.max_response_len
-    cuda = torch.cuda.is_available()
-    kw = dict(gpu_memory_utilization=args.vllm_gpu_memory, max_num_seqs=args.vllm_max_num_seqs,
-              enable_sleep_mode=True, dtype="bfloat16") if cuda else vllm_cpu_kwargs(max_len)
-    if cuda:  # vLLM starts only if its whole share is free now (v1/worker/utils.py: request_memory)
-        free, total = torch.cuda.mem_get_info()
-        stop_all(f"rank {rank}: --vllm-gpu-memory {args.vllm_gpu_memory} asks for "
-                 f"{args.vllm_gpu_memory * total / 2**30:.1f} GiB of cuda:{local_rank}, {free / 2**30:.1f} GiB are "
-                 f"free beside the trainer's ZeRO-3 states: lower it to {free / total - 0.03:.2f} or use more GPUs "
-                 "(README: GPU)" if free < args.vllm_gpu_memory * total else None)
-    # external_launcher: one engine per launched rank, on the device of LOCAL_RANK, inside the
-    # launcher's process group (CPU and CUDA alike). vLLM's default uniprocess executor would put
-    # every rank's engine on cuda:0 and move the rank's current device there.
-    # processed_logprobs: a sampled token's log-prob as sampled, after temperature (and top-p renormalisation)
-    llm = LLM(model=model_path, max_model_len=max_len, seed=args.seed + rank, tensor_parallel_size=1,
-              distributed_executor_backend="external_launcher", use_tqdm_on_load=False,
-              logprobs_mode="processed_logprobs", **kw)
-    moved = cuda and torch.cuda.current_device() != local_rank
-    stop_all(f"rank {rank}: vLLM's engine moved the current CUDA device to cuda:{torch.cuda.current_device()}, "
-             f"not cuda:{local_rank} (LOCAL_RANK)" if moved else None)
-    if cuda and rank == 0 and args.rollout_seed == "request" and not llm.llm_engine.vllm_config.use_v2_model_runner:
-        print("[grpo] vLLM runs its V1 model runner, whose sampler loops in Python over every seeded request at "
-              "every decode step: --rollout-seed engine avoids it (README: GPU)", flush=True)
-    return llm
-
-
-def stop_all(problem: str | None) -> None:
-    """Every rank stops with the first rank's problem, if any rank has one (a collective: all ranks call it)."""
-    errors = [e for e in all_gather_objects(problem) if e]
-    if errors:
-        sys.exit(f"train_grpo.py: error: {errors[0]}")
-
-
-def pin_cpu_rank(local_rank: int, local_world: int) -> None:
-    """On the CPU, each rank (its trainer and its in-process vLLM engine) on its own share of cores.
-
-    vLLM binds threads only for engines in worker processes (VLLM_CPU_OMP_THREADS_BIND does
-    nothing in-process); unpinned, every rank runs one thread per core of the machine, and the
-    ranks' spinning OpenMP threads fight over the cores (README: Step benchmark).
-    A launcher that binds ranks itself (deepspeed --bind_cores_to_rank) sets OMP_NUM_THREADS:
-    then it is left alone. Call it before the first parallel torch op, so that every thread
-    this rank starts from then on inherits its cores.
-    """
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    if not hasattr(os, "sched_setaffinity"):  # macOS: no affinity, threads only
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // local_world)
-    mine = [cores[(local_rank * per + i) % len(cores)] for i in range(per)]  # more ranks than cores: shared
-    os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
-
-
-def vllm_cpu_kwargs(max_model_len: int) -> dict:
-    # vLLM's CPU sampler cannot rewind a seeded request's generator when chunked prefill splits
-    # its prompt ("CPU Generator does not use offset"), which happens as soon as a batch's prompt
-    # tokens exceed the token budget. Prefill whole prompts instead, with a budget that holds
-    # the longest (vLLM's CPU platform does the same for MLA models).
-    return dict(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
-                max_num_batched_tokens=max(max_model_len, 4096))
+# 7. Weight sync: ZeRO-3 partitions gathered one parameter at a time into vLLM, in place
 
 
 def sync_weights_to_vllm(engine, llm) -> None:
@@ -829,561 +821,117 @@ def _repack_cpu_lm_head(model: torch.nn.Module) -> None:
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
-def sampling_seed(seed: int, step: int, prompt_index: int, n: int) -> int:
-    # vLLM gives the j-th of n samples seed+j, so per-prompt seeds are spaced by n.
-    return ((seed * 100_003 + step) * 1_000_003 + prompt_index) * n % (2**31 - n)
-
-
-def sampling_params(n: int, temperature: float, top_p: float, max_tokens: int, seed: int | None, step: int,
-                    prompt_indices, logprobs: int | None = None) -> list:
-    """One SamplingParams per prompt, seeded by the prompt's index in the whole set (sampling_seed):
-    its samples do not depend on how the prompts are sharded over ranks or engines. The trainer's
-    rollouts and evaluations and evaluate.py all sample through here. seed None: no per-request
-    seed, the engine's own stream (--rollout-seed engine)."""
-    from vllm import SamplingParams
-
-    return [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=logprobs,
-                           seed=None if seed is None else sampling_seed(seed, step, i, n)) for i in prompt_indices]
-
-
 # -----------------------------------------------------------------------------
-# Data, evaluation, checkpoints, logging
+# Engines and distributed set-up. Collectives: NCCL serves CUDA tensors only ("No backend type
+# associated with device type cpu"), gloo CPU tensors: every collective of the project goes through
+# all_reduce and all_gather_objects, which put the data on the device the backend serves
+# (tests/test_collectives.py enforces it).
 
 
-def load_prompts(
-    spec: str, tokenizer, args, limit: int | None = None, train: bool = False
-) -> tuple[list[dict], int]:
-    """Rows with their rendered, tokenized prompt; drops (and counts) over-long prompts.
-    train: a training set, deduplicated by prompt (held-out sets are taken as published)."""
-    from data.prepare import load_rows
-    from data.templates import prompt_ids
-
-    rows, dropped = [], 0
-    for row in load_rows(spec, train=train):
-        ids = prompt_ids(row, args.template, tokenizer)
-        if len(ids) > args.max_prompt_len:
-            dropped += 1
-            continue
-        rows.append({**row, "prompt_ids": ids})
-        if limit and len(rows) >= limit:
-            break
-    if not rows:
-        raise ValueError(f"dataset {spec}: no prompts left ({dropped} longer than --max-prompt-len)")
-    return rows, dropped
-
-
-def generate(llm, rows: list[dict], params: list) -> list:
-    from vllm.inputs import TokensPrompt
-
-    return llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows], params, use_tqdm=False)
-
-
-def rollout(llm, rows: list[dict], args, step: int, first_index: int) -> list[dict]:
-    """G responses per prompt (prompt j of this rank is prompt first_index + j of the step), each
-    token with the log-prob vLLM sampled it with."""
-    seed = args.seed if args.rollout_seed == "request" else None
-    params = sampling_params(args.group_size, args.temperature, args.top_p, args.max_response_len, seed,
-                             step, range(first_index, first_index + len(rows)), logprobs=0)
-    return to_rollouts(rows, generate(llm, rows, params))
-
-
-def overlong_penalty(length: int, args) -> float:
-    """DAPO's soft overlong punishment: 0 up to L_max - L_buf tokens, then falling linearly to -alpha at
-    L_max = --max-response-len (L_buf: --overlong-buffer, alpha: --overlong-penalty)."""
-    buffer = args.overlong_buffer
-    return -args.overlong_penalty * max(0, length - (args.max_response_len - buffer)) / buffer if buffer else 0.0
-
-
-def score(rollouts: list[dict], args, stats: dict) -> None:
-    """Each response's verifier score (rewards.py) and its reward: the score plus overlong_penalty."""
-    from rewards import compute_rewards, reference
-
-    scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
-                             [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=stats,
-                             code_partial=args.code_reward == "fraction")
-    for r, s in zip(rollouts, scores):
-        r["score"], r["reward"] = s, s + overlong_penalty(r["length"], args)
-
-
-def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, rank: int, world: int,
-                timer: dict, reward_stats: dict, progress=None) -> tuple[list[dict], list[int], dict[str, float]]:
-    """This rank's share of the step's groups, scored; the data order left; the sampling's metrics.
-
-    One round: --prompts-per-step prompts P, prompt j of rank r being the step's prompt r P/world + j.
-    --dynamic-sampling (DAPO): rounds of P fresh prompts (round k's prompt i has the index k P + i, so
-    a round samples as a plain step would), keeping the groups whose scores are not all equal, until
-    P are kept or --max-sample-rounds have run. The first P kept, in sampling order, are the step's,
-    dealt to the ranks as a plain step's prompts are (deal_groups): which groups a step trains on does
-    not depend on the number of ranks. None kept: the last round's groups, which carry no signal.
-    progress(text): told the rounds so far and the groups kept, from the second round on.
-    """
-    P, G, n = args.prompts_per_step, args.group_size, args.prompts_per_step // world
-    held, kept, correct = {}, [], 0.0
-    for rnd in range(args.max_sample_rounds if args.dynamic_sampling else 1):
-        t0 = time.time()
-        batch_idx, order = next_prompts(order, len(train_rows), args, step)
-        first = rnd * P + rank * n
-        rollouts = rollout(llm, [train_rows[i] for i in batch_idx[rank * n : (rank + 1) * n]], args, step, first)
-        timer["rollout"] = timer.get("rollout", 0.0) + time.time() - t0
-        t0 = time.time()
-        score(rollouts, args, reward_stats)
-        timer["reward"] = timer.get("reward", 0.0) + time.time() - t0
-        if not args.dynamic_sampling:
-            return rollouts, order, {}
-        kept += mixed_groups({first + j: rollouts[j * G : (j + 1) * G] for j in range(n)}, held)
-        correct += sum(r["score"] >= 1 for r in rollouts)
-        if len(kept) >= P:
-            break
-        if progress is not None and rnd + 1 < args.max_sample_rounds:  # many rounds must not look like a hang
-            progress(f"sampling round {rnd + 2}/{args.max_sample_rounds}, {len(kept)}/{P} groups kept")
-    rounds, batch = rnd + 1, deal_groups(held, kept, P, args.minibatches, rank, world)
-    accuracy = all_reduce([correct]).item() / (rounds * P * G)
-    return batch or rollouts, order, {"sample/rounds": rounds, "sample/prompts": rounds * P,
-                                      "sample/accuracy": accuracy, "sample/kept_share": len(kept) / (rounds * P),
-                                      "sample/groups": len(batch) // G * world}
-
-
-def mixed_groups(groups: dict[int, list[dict]], held: dict[int, list[dict]]) -> list[int]:
-    """Every rank's ids of the groups whose scores are not all equal, in sampling order (one collective);
-    this rank's such `groups` are added to `held`."""
-    mixed = [gid for gid, g in groups.items() if len({r["score"] for r in g}) > 1]
-    held.update((gid, groups[gid]) for gid in mixed)
-    return sorted(gid for part in all_gather_objects(mixed) for gid in part)
-
-
-def deal_groups(held: dict[int, list[dict]], kept: list[int], target: int, minibatches: int, rank: int,
-                world: int) -> list[dict]:
-    """This rank's contiguous block of the first `target` kept groups (`kept`: every rank's, in sampling
-    order; fewer kept: the most that divide into ranks x mini-batches), [] for none. `held`: the kept
-    groups this rank sampled; the others' come over in one collective."""
-    k = min(target, len(kept)) // (world * minibatches) * (world * minibatches)
-    if k == 0:
-        return []
-    share = k // world
-    owner = {gid: i // share for i, gid in enumerate(kept[:k])}
-    leaving = {gid: [{key: v for key, v in r.items() if key not in ("row", "text")} for r in g]
-               for gid, g in held.items() if owner.get(gid, rank) != rank}
-    arrived = {gid: g for part in all_gather_objects(leaving) for gid, g in part.items()}
-    return [r for gid in kept[rank * share : (rank + 1) * share] for r in held.get(gid) or arrived[gid]]
-
-
-def to_rollouts(rows: list[dict], outputs: list) -> list[dict]:
-    """One record per sampled response, G consecutive per prompt; vLLM's token ids as returned."""
-    def sampled_logp(c) -> torch.Tensor | None:
-        return torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) if c.logprobs else None
-
-    return [
-        {"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
-         "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids),
-         "truncated": c.finish_reason == "length", "old_logp": None, "vllm_logp": sampled_logp(c)}
-        for row, o in zip(rows, outputs) for c in o.outputs
-    ]
-
-
-def sample_and_score(llm, rows: list[dict], prompt_indices: list[int], n: int, temperature: float, top_p: float,
-                     max_tokens: int, seed: int, step: int, workers: int) -> tuple[list[list[str]], list[list[float]]]:
-    """n responses to each row's prompt_ids and their rewards, per row: the one evaluation path of the
-    trainer's in-loop evaluation and of evaluate.py."""
-    from rewards import compute_rewards, reference
-
-    outs = generate(llm, rows, sampling_params(n, temperature, top_p, max_tokens, seed, step, prompt_indices))
-    texts = [[c.text for c in o.outputs] for o in outs]
-    flat = compute_rewards([t for ts in texts for t in ts], [reference(r) for r in rows for _ in range(n)],
-                           [r["kind"] for r in rows for _ in range(n)], workers)
-    return texts, [flat[j * n : (j + 1) * n] for j in range(len(rows))]
-
-
-def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_dir: Path) -> dict[str, float]:
-    """Greedy accuracy and sampled Acc@k on this rank's shard of the held-out prompts."""
-    shard, idx, k = rows[rank::world], list(range(rank, len(rows), world)), args.eval_samples
-    g_text, g_score = sample_and_score(llm, shard, idx, 1, 0.0, 1.0, args.max_response_len, 0, 0, args.reward_workers)
-    _, s_score = sample_and_score(llm, shard, idx, k, args.temperature, args.top_p, args.max_response_len,
-                                  args.seed + 1, step, args.reward_workers)
-    t = all_reduce([sum(x[0] for x in g_score), sum(map(sum, s_score)), len(shard), k * len(shard)])
-    samples = [{"id": r["id"], "answer": r.get("answer"), "greedy": txt[0], "score": sc[0]}
-               for r, txt, sc in zip(shard, g_text, g_score)]
-    gathered = all_gather_objects(samples)
-    if rank == 0:
-        (out_dir / "eval").mkdir(parents=True, exist_ok=True)
-        with open(out_dir / "eval" / f"step_{step:06d}.jsonl", "w") as f:
-            for part in gathered:
-                for s in part:
-                    f.write(json.dumps(s) + "\n")
-    return {"eval/acc_greedy": (t[0] / t[2]).item(), f"eval/acc@{k}": (t[1] / t[3]).item()}
-
-
-def seed_rngs(seed: int) -> None:
-    """Python's, NumPy's and torch's generators (--rollout-seed engine samples from NumPy's on CUDA, from
-    torch's on the CPU)."""
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def make_deterministic() -> None:
-    """--deterministic: the update's kernels give the same bits on every rerun (CUDA's atomics-based
-    backward kernels swapped for deterministic ones; cuBLAS's workspace fixed, which it reads when its
-    first handle is made, so call this before any CUDA work). An op with no deterministic version warns,
-    naming itself, rather than stopping a run; tests/test_gpu.py demands a bit-exact redo of the update."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-
-
-def rng_state() -> dict:
-    import numpy as np
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dict, rank: int, keep_last: int) -> None:
-    """Full training state and a Hugging Face export in root/step_N, atomically.
-
-    Everything goes to step_N.tmp first: every rank's ZeRO-3 model/optimizer/scheduler shards
-    and RNG states (state/), the step and data position (trainer_state.json), and the HF
-    export (config, safetensors, tokenizer), gathered one parameter at a time. Only then does
-    rank 0 rename it to step_N and point `latest` at it, so a kill at any moment leaves
-    `latest` on a complete checkpoint. Full states beyond the last `keep_last` are deleted;
-    the HF exports stay, for evaluating every checkpoint of a run.
-    """
-    import shutil
-
-    import deepspeed
+def collective_device() -> torch.device:
     import torch.distributed as dist
 
-    final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
-    try:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
-        torch.save(rng_state(), tmp / "state" / f"rng_rank{rank}.pt")
-        weights = {}
-        for name, param in engine.module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param]):
-                if rank == 0:
-                    weights[name] = param.data.detach().cpu().clone()
-        if rank == 0:
-            engine.module.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "unexpected pos N vs M"
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or no_space_left(root):
-            raise OSError(errno.ENOSPC, f"no space left on {root}: {tmp.name} is incomplete (remove it, or "
-                                        "the next save at this step does)") from None
-        raise
-    dist.barrier()
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        (root / "latest.tmp").write_text(final.name)
-        os.replace(root / "latest.tmp", root / "latest")
-        states = [c for c in checkpoint_dirs(root) if (c / "state").is_dir()]
-        for old in states[:-keep_last]:
-            shutil.rmtree(old / "state", ignore_errors=True)
-    dist.barrier()
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
 
 
-def no_space_left(d: Path) -> bool:
-    """Whether d's filesystem is full, or the user's quota spent: a 1 MiB write says it with an errno."""
-    probe = d / f".space-probe-{os.getpid()}"
-    try:
-        with open(probe, "wb") as f:
-            f.write(bytes(1 << 20))
-            f.flush()
-            os.fsync(f.fileno())
-        return False
-    except OSError as e:
-        return e.errno in (errno.ENOSPC, errno.EDQUOT)
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
+def all_reduce(values, op: str = "sum") -> torch.Tensor:
+    """A vector of numbers summed ("sum") or maximised ("max") over ranks; float64, on the CPU."""
+    import torch.distributed as dist
+
+    t = torch.as_tensor(values, dtype=torch.float64).to(collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.cpu()
 
 
-def checkpoint_dirs(root: Path) -> list[Path]:
-    """The trainer's checkpoints in root, oldest first: step_ and digits only (step_best, a copy, and
-    step_000001.bak, a backup, are the user's; step_N.tmp is a save in progress)."""
-    found = [p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and p.is_dir()] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name[5:]))
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (NCCL: pickled through the current CUDA device)."""
+    import torch.distributed as dist
 
-
-def checkpoint_problem(ckpt: Path, world: int) -> str | None:
-    """Why `world` ranks cannot resume from `ckpt`, or None when every file it needs is there."""
-    try:
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        if not isinstance(state, dict) or not {"step", "order", "bad_streak"} <= set(state):
-            return "trainer_state.json lacks step / order / bad_streak"
-    except (OSError, ValueError) as e:
-        return f"trainer_state.json: {first_line(e)}"
-    count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
-    if not count(state["step"]) or not count(state["bad_streak"]):
-        return (f"trainer_state.json: step and bad_streak must be counts (got {state['step']!r}, "
-                f"{state['bad_streak']!r})")
-    if not isinstance(state["order"], list) or not all(map(count, state["order"])):
-        return "trainer_state.json: order must be a list of prompt indices"
-    if not isinstance(state.get("run", {}), dict):
-        return "trainer_state.json: run must be the run's arguments"
-    files = [f for f in (ckpt / "state").glob("*") if f.is_file()]
-    if not files:
-        return "no state/ (pruned by --keep-last, or never written)"
-    ranks = sum(f.name.startswith("rng_rank") for f in files)
-    if ranks != world:
-        return f"written by {ranks} ranks, this launch has {world}: launch it with {ranks}"
-    names = {f.name for f in files}
-    for r in range(world):  # what each rank reads: DeepSpeed's ZeRO-3 shards of that rank, and its RNG states
-        shard = f"zero_pp_rank_{r}_mp_rank_00"
-        optim = {f"{shard}_optim_states.pt", f"bf16_{shard}_optim_states.pt"}  # fp32 / bf16 runs
-        missing = [n for n in (f"rng_rank{r}.pt", f"{shard}_model_states.pt") if n not in names] + \
-            ([] if optim & names else [f"{shard}_optim_states.pt"])
-        if missing:
-            return f"state/{missing[0]} is missing"
-    # torch.save writes a zip archive whose directory sits at its end: a truncated file has none
-    damaged = next((f.name for f in sorted(files) if f.suffix == ".pt" and not zipfile.is_zipfile(f)), None)
-    return f"state/{damaged} is damaged (not a complete torch file)" if damaged else None
-
-
-def resumable_checkpoints(root: Path, world: int) -> list[Path]:
-    """Complete checkpoints of the run, newest first; rank 0 says why it skips any newer one.
-
-    A run directory that has checkpoints but none complete is an error: starting afresh would
-    overwrite its metrics and checkpoints.
-    """
-    found = checkpoint_dirs(root)[::-1]
-    complete, skipped = [], []
-    for ckpt in found:
-        problem = checkpoint_problem(ckpt, world)
-        if problem is None:
-            complete.append(ckpt)
-        elif not complete:
-            skipped.append(f"{ckpt.name} ({problem})")
-    if found and not complete:
-        raise ValueError(f"{root} holds checkpoints but none can be resumed: {'; '.join(skipped[:3])}; "
-                         "use another --output-dir, or move the run away to start afresh")
-    if skipped and int(os.environ.get("RANK", "0")) == 0:
-        print(f"[grpo] skipping incomplete checkpoint(s): {'; '.join(skipped)}", flush=True)
-    return complete
-
-
-def damaged_shard(ckpt: Path, rank: int) -> str | None:
-    """A file of this rank's share of `ckpt` whose contents fail their CRC, or None. Each rank reads
-    its own files once (torch.save writes uncompressed zip archives with a CRC per record), so every
-    rank knows before DeepSpeed's load, whose collectives a rank that fails half-way would desert."""
-    for f in sorted((ckpt / "state").glob(f"*rank{rank}.pt")) + sorted((ckpt / "state").glob(f"*_rank_{rank}_*.pt")):
-        try:
-            with zipfile.ZipFile(f) as z:
-                if z.testzip() is not None:
-                    return f"{ckpt.name}/state/{f.name} is damaged"
-        except (OSError, zipfile.BadZipFile) as e:
-            return f"{ckpt.name}/state/{f.name} is damaged ({first_line(e)})"
-    return None
-
-
-def load_training_state(engine, ckpt: Path, rank: int) -> dict:
-    """Model, optimizer, scheduler, RNG and trainer state from `ckpt` (checked by damaged_shard first)."""
-    load_path, _ = engine.load_checkpoint(str(ckpt), tag="state")
-    if load_path is None:
-        raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}/state")
-    set_rng_state(torch.load(ckpt / "state" / f"rng_rank{rank}.pt", weights_only=False))
-    return json.loads((ckpt / "trainer_state.json").read_text())
-
-
-# may differ between the launches of one run (the directory is the run, wherever it is)
-RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
-                    "keep_last", "max_bad_steps", "output_dir", "report_to", "peak_tflops", "vllm_gpu_memory",
-                    "vllm_max_num_seqs", "logprob_batch_size", "micro_batch_tokens",
-                    "deterministic", "flags_given"}  # from peak_tflops on: memory, speed, kernels, the flags typed
-# Flags added after runs were made, with the value such a run was trained with where today's default differs:
-# a record without the flag holds this value, and a launch that does not give the flag resumes with it.
-BEFORE_FLAG = {"code_reward": "fraction"}  # code scored the pass fraction before --code-reward (issue 27)
-# may differ after --resume, which continues a run with them changed (optimisation knobs, lengths the data
-# order does not depend on, evaluation); every other argument is the run's identity and never changes
-RESUME_MAY_CHANGE = {"lr", "lr_warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high", "sapo_tau_pos",
-                     "sapo_tau_neg", "kl_coef",
-                     "temperature", "top_p", "max_response_len", "micro_batch_size", "logprob_chunk",
-                     "gradient_checkpointing", "rollout_correction_cap", "eval_dataset",
-                     "eval_limit", "eval_samples"}
-
-
-def run_identity(args: dict) -> dict:
-    """What makes a run what it is: every argument but RUN_ARGS_IGNORED (so a flag added later is part of
-    it unless said otherwise), --ds-config by its contents (another clone's copy of it is the same run).
-    Recorded in every checkpoint's trainer_state.json as "run"."""
-    identity = {k: v for k, v in args.items() if k not in RUN_ARGS_IGNORED}
-    if isinstance(identity.get("ds_config"), str):
-        with contextlib.suppress(OSError, ValueError):  # a record whose file is gone: compared by path
-            identity["ds_config"] = json.loads(Path(identity["ds_config"]).read_text())
-    return identity
-
-
-def identity_changes(old: dict, new: dict) -> tuple[dict, list[str], list[str]]:
-    """(the recorded identity `old` with any argument it lacks at its default, as when it was added to the
-    trainer after the run was written (BEFORE_FLAG's value where the run was trained with another); the
-    arguments no resume may change and those only --resume may change, on which it differs from this
-    launch's identity `new`)."""
-    old = {**run_identity(vars(parse_args(["--model", str(new.get("model", "demo"))]))), **BEFORE_FLAG, **old}
-    differ = [k for k in sorted(new) if old.get(k) != new[k]]
-    return old, [k for k in differ if k not in RESUME_MAY_CHANGE], [k for k in differ if k in RESUME_MAY_CHANGE]
-
-
-def shown_changes(keys: list[str], old: dict, new: dict) -> str:
-    def value(d: dict, k: str):
-        return "(its contents)" if isinstance(d.get(k), dict) else d.get(k)
-
-    return ", ".join(f"--{k.replace('_', '-')} {value(old, k)} -> {value(new, k)}" for k in keys[:4]) + \
-        (f", and {len(keys) - 4} more" if len(keys) > 4 else "")
-
-
-_HELD_LOCKS: dict[str, int] = {}  # run.lock path -> its open descriptor: the lock lives as long as this process
-
-
-def lock_output_dir(out_dir: Path) -> None:
-    """One writer per run directory: an exclusive POSIX record lock on OUTPUT_DIR/run.lock (fcntl), held
-    for the rest of the process's life. The kernel releases it when the process ends, however it ends
-    (SIGKILL too), so it is never stale, and fork()ed children do not inherit it; the file only names
-    the holder. NFS (v4, or v3 with lockd) honours it across nodes, Lustre only when mounted with
-    -o flock; where the filesystem has no locks, a warning says that the directory is unguarded."""
-    path = out_dir.resolve() / "run.lock"
-    if str(path) in _HELD_LOCKS:
-        return
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory, where the run's lock file goes: remove it, or use another "
-                         "--output-dir")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot open the run's lock file ({first_line(e)})") from None
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "one that has not named itself yet"
-        os.close(fd)  # this process holds no lock on the file: closing it releases nothing
-        if e.errno in (errno.EACCES, errno.EAGAIN):
-            raise ValueError(f"--output-dir {out_dir} is in use by another launch ({holder}); wait for it to "
-                             "end, or use another --output-dir") from None
-        print(f"[grpo] warning: {out_dir} is on a filesystem without locks ({first_line(e)}): nothing stops a "
-              "second launch into it", flush=True)
-        return
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-              .encode(), 0)
-    _HELD_LOCKS[str(path)] = fd
-
-
-def logged_lines(path: Path) -> list[tuple[int, str]]:
-    """(step, line) of each line of a metrics.jsonl. A last line cut short (a kill while it was written) is
-    dropped; any other line that is not a JSON object with an integer step is a one-line error."""
-    try:
-        lines = path.read_bytes().split(b"\n") if path.exists() else []
-    except OSError as e:  # a directory in its place, an unreadable file
-        raise ValueError(f"{path}: {first_line(e)}; the run's log must be a readable file") from None
-    out = []
-    for i, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw.decode())
-            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-                raise ValueError("no integer 'step'")
-        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            if i == len(lines):  # no newline after it: the line was being written
-                continue
-            raise ValueError(f"{path} line {i}: {first_line(e)}; expected one JSON object with an integer "
-                             "'step' per line (repair or remove the line)") from None
-        out.append((rec["step"], raw.decode()))
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
     return out
 
 
-def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
-    """Checkpoints to resume from, newest first. The launch takes the directory's lock (rank 0: one lock
-    per run, however many ranks and nodes share the directory), and refuses to mix two runs in one
-    directory: this launch's identity (run_identity) is compared with the one recorded in the newest
-    checkpoint, or in args.json for checkpoints that predate the record.
-
-    args.json is written with a run's checkpoints: only a run that has trained binds its
-    directory, so a launch that failed before its first checkpoint can be corrected.
-    """
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--output-dir {out_dir} is a file, not a directory")
-    for link in (out_dir, *out_dir.parents):  # mkdir says only "File exists" of a link to nothing
-        if link.is_symlink() and not link.exists():
-            raise ValueError(f"--output-dir {out_dir}: {link} is a symbolic link to {os.readlink(link)}, which does "
-                             "not exist; create its target, or use another --output-dir")
+def checked_launch(argv: list[str] | None) -> tuple[argparse.Namespace, int, dict, list[Path]]:
+    """(arguments, ranks, DeepSpeed config, checkpoints to resume from, newest first), every argument
+    and the run directory checked before any process group or engine starts; one line and exit if not."""
+    args = parse_args(argv)
+    if args.deterministic:
+        make_deterministic()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) == 0 and (line := pin_mismatch(installed_versions())):
+        print(line, flush=True)
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".write-test-")  # unique across nodes
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(f"--output-dir {out_dir} is not writable ({first_line(e)})") from None
-    if int(os.environ.get("RANK", "0")) == 0:
-        lock_output_dir(out_dir)
-    logged_lines(out_dir / "metrics.jsonl")  # a damaged log is named now, not after the engines start
-    checkpoints = resumable_checkpoints(out_dir / "checkpoints", world)
-    record, where = None, out_dir
-    if checkpoints:
-        record = json.loads((checkpoints[0] / "trainer_state.json").read_text()).get("run")
-        where = checkpoints[0]
-    if record is None and (out_dir / "args.json").exists():
-        try:
-            record, where = run_identity(json.loads((out_dir / "args.json").read_text())), out_dir
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{out_dir / 'args.json'} cannot be read as JSON ({first_line(e)}): repair or remove "
-                             "it") from None
-    if record is not None:
-        for k, before in BEFORE_FLAG.items():  # a run older than the flag goes on as it was trained
-            if k not in record and k not in getattr(args, "flags_given", ()) and getattr(args, k) != before:
-                setattr(args, k, before)
-                if int(os.environ.get("RANK", "0")) == 0:
-                    print(f"[grpo] {where} predates --{k.replace('_', '-')}: it goes on with --{k.replace('_', '-')} "
-                          f"{before}, as it was trained (README: Rewards)", flush=True)
-        new = run_identity(vars(args))
-        record, never, unless_resume = identity_changes(record, new)
-        if never:
-            raise ValueError(f"{where} holds a run with other arguments ({shown_changes(never, record, new)}), "
-                             "which no resume changes: use another --output-dir, or its arguments")
-        if unless_resume and not args.resume:
-            raise ValueError(f"{where} holds a run with other arguments ({shown_changes(unless_resume, record, new)}"
-                             "); use another --output-dir, or --resume to continue it with these")
-    if args.resume and not checkpoints:
-        raise ValueError(f"--resume: {out_dir} holds no checkpoint to resume from (no checkpoints/step_N); "
-                         "drop --resume to start a run there, or check the directory")
-    return checkpoints
+        check_args(args, world, POLICY_LOSS_DEFAULTS[args.policy_loss], OFFLINE_DEFAULTS)
+        ds_config = deepspeed_config(args, world)
+        defaults = vars(parse_args(["--model", args.model]))  # what a run predating a flag was trained with
+        checkpoints = check_output_dir(args, Path(args.output_dir), world, defaults)
+        check_jit_cache(ds_config, int(os.environ.get("LOCAL_RANK", "0")))
+    except ValueError as e:
+        sys.exit(f"train_grpo.py: error: {e}")
+    return args, world, ds_config, checkpoints
 
 
-def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
-    """Rank-local sums for the paper's diagnostics (length CV within each group; negative-positive
-    length gap over the groups with both signs); reduced over ranks by step_metrics. Accuracy counts
-    the responses the verifier scores 1 (a code answer passing every test, also under --code-reward
-    fraction); the mean reward includes --overlong-buffer's shaping."""
-    col = lambda k: torch.tensor([float(r[k]) for r in rollouts], dtype=torch.float64).view(-1, group_size)  # noqa: E731
-    L, R, A = col("length"), col("reward"), col("advantage")
-    mixed = (A > 0).any(1) & (A < 0).any(1)
-    gap = (L * (A < 0)).sum(1) / (A < 0).sum(1).clamp(min=1) - (L * (A > 0)).sum(1) / (A > 0).sum(1).clamp(min=1)
-    return {"groups": len(L), "length_cv": (L.std(1, unbiased=False) / L.mean(1)).sum().item(),
-            "zero_var_groups": (R.std(1) == 0).sum().item(), "mixed_groups": mixed.sum().item(),
-            "length_gap": gap[mixed].sum().item(), "responses": L.numel(), "reward": R.sum().item(),
-            "correct": (col("score") >= 1).sum().item(), "length": L.sum().item(),
-            "truncated": col("truncated").sum().item()}
+def init_distributed(out_dir: Path, checkpoints: list[Path], world: int) -> tuple[int, int]:
+    """Join the launcher's process group (NCCL on CUDA, gloo on the CPU); (rank, local rank).
+    Every rank must see the same run: the output directory is shared between nodes."""
+    if "MASTER_PORT" not in os.environ:  # plain `python train_grpo.py` runs as one rank, on a free port
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(k, v)
+    import deepspeed
+    import torch.distributed as dist
+    import transformers
+
+    cuda, local_rank = torch.cuda.is_available(), int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
+    with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if not cuda:  # after the first start's JIT build of DeepSpeed's CPU comm op, which may use every core
+        # ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
+        pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
+    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
+    rank = dist.get_rank()
+    token = all_gather_objects(f".shared-{os.urandom(8).hex()}" if rank == 0 else None)[0]
+    if rank == 0:
+        (out_dir / token).write_text("")
+    dist.barrier()
+    seen = all_gather_objects(((out_dir / token).exists(), [c.name for c in checkpoints]))
+    dist.barrier()
+    if rank == 0:
+        (out_dir / token).unlink()
+    if not all(s == seen[0] for s in seen) or not seen[0][0]:
+        sys.exit(f"train_grpo.py: error: rank {rank}: the ranks do not see the same {out_dir} "
+                 "(--output-dir must be one directory shared by every node)")
+    return rank, local_rank
 
 
-# -----------------------------------------------------------------------------
+def pin_cpu_rank(local_rank: int, local_world: int) -> None:
+    """On the CPU, each rank (its trainer and its in-process vLLM engine) on its own share of cores.
+
+    vLLM binds threads only for engines in worker processes (VLLM_CPU_OMP_THREADS_BIND does
+    nothing in-process); unpinned, every rank runs one thread per core of the machine, and the
+    ranks' spinning OpenMP threads fight over the cores (docs/step_benchmark.md).
+    A launcher that binds ranks itself (deepspeed --bind_cores_to_rank) sets OMP_NUM_THREADS:
+    then it is left alone. Call it before the first parallel torch op, so that every thread
+    this rank starts from then on inherits its cores.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    if not hasattr(os, "sched_setaffinity"):  # macOS: no affinity, threads only
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // local_world)
+    mine = [cores[(local_rank * per + i) % len(cores)] for i in range(per)]  # more ranks than cores: shared
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
 
 
 def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
@@ -1438,79 +986,14 @@ def linear_warmup(num_updates: int):
     return lambda optimizer: LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / num_updates))
 
 
-def init_distributed(out_dir: Path, checkpoints: list[Path], world: int) -> tuple[int, int]:
-    """Join the launcher's process group (NCCL on CUDA, gloo on the CPU); (rank, local rank).
-    Every rank must see the same run: the output directory is shared between nodes."""
-    if "MASTER_PORT" not in os.environ:  # plain `python train_grpo.py` runs as one rank, on a free port
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
-        os.environ.setdefault(k, v)
-    import deepspeed
-    import torch.distributed as dist
-    import transformers
-
-    cuda, local_rank = torch.cuda.is_available(), int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
-    with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    if not cuda:  # after the first start's JIT build of DeepSpeed's CPU comm op, which may use every core
-        # ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
-        pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
-    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
-    rank = dist.get_rank()
-    token = all_gather_objects(f".shared-{os.urandom(8).hex()}" if rank == 0 else None)[0]
-    if rank == 0:
-        (out_dir / token).write_text("")
-    dist.barrier()
-    seen = all_gather_objects(((out_dir / token).exists(), [c.name for c in checkpoints]))
-    dist.barrier()
-    if rank == 0:
-        (out_dir / token).unlink()
-    if not all(s == seen[0] for s in seen) or not seen[0][0]:
-        sys.exit(f"train_grpo.py: error: rank {rank}: the ranks do not see the same {out_dir} "
-                 "(--output-dir must be one directory shared by every node)")
-    return rank, local_rank
-
-
-def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list[dict]]:
-    """(model path, tokenizer, training rows, prompts dropped as too long, held-out rows); a bad input
-    stops every rank with one line before any engine starts."""
-    import torch.distributed as dist
-    from transformers import AutoConfig, AutoTokenizer
-
-    from data.demo import model_dir
-    from rewards import SandboxUnavailable, sandbox_mode
-
-    try:
-        if local_rank == 0:
-            model_dir(args.model)  # an offline policy is copied into this node's cache once
-        dist.barrier()
-        model_path = model_dir(args.model)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-        if context and args.max_prompt_len + args.max_response_len > context:
-            raise ValueError(f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len} "
-                             f"exceeds the model's context of {context} tokens")
-        args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        train_rows, dropped = load_prompts(args.dataset, tokenizer, args, train=True)
-        eval_rows = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit)[0] if args.eval_dataset else []
-        if any(r["kind"] == "code" for r in train_rows + eval_rows):
-            sandbox_mode()  # code rewards fail closed without bubblewrap: say so before any engine starts
-    except (ValueError, OSError, SandboxUnavailable) as e:
-        sys.exit(f"train_grpo.py: error: {first_line(e)}")
-    return model_path, tokenizer, train_rows, dropped, eval_rows
-
-
-def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank: int):
-    """The ZeRO-3 policy engine, the frozen reference engine (only with --kl-coef), the vLLM engine."""
-    engine, ref_engine = build_trainer(args, model_path, ds_config)
-    return engine, ref_engine, make_vllm(model_path, args, rank, local_rank)
+def make_deterministic() -> None:
+    """--deterministic: the update's kernels give the same bits on every rerun (CUDA's atomics-based
+    backward kernels swapped for deterministic ones; cuBLAS's workspace fixed, which it reads when its
+    first handle is made, so call this before any CUDA work). An op with no deterministic version warns,
+    naming itself, rather than stopping a run; tests/test_gpu.py demands a bit-exact redo of the update."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
 def build_trainer(args, model_path: str, ds_config: dict):
@@ -1543,6 +1026,118 @@ def build_trainer(args, model_path: str, ds_config: dict):
     return engine, ref_engine
 
 
+def make_vllm(model_path: str, args, rank: int, local_rank: int):
+    from transformers import AutoConfig
+    from vllm import LLM
+
+    # Expected at every sync, not a failure: rotary embeddings have no weights, and a tied
+    # lm_head receives its weights through embed_tokens. An untied lm_head that fails to load
+    # is a real failure and stays visible.
+    expected = {"RotaryEmbedding: Failed to load weights"}
+    if getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False):
+        expected.add("ParallelLMHead: Failed to load weights")
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda record: record.getMessage() not in expected)
+
+    max_len = args.max_prompt_len + args.max_response_len
+    cuda = torch.cuda.is_available()
+    kw = dict(gpu_memory_utilization=args.vllm_gpu_memory, max_num_seqs=args.vllm_max_num_seqs,
+              enable_sleep_mode=True, dtype="bfloat16") if cuda else vllm_cpu_kwargs(max_len)
+    if cuda:  # vLLM starts only if its whole share is free now (v1/worker/utils.py: request_memory)
+        free, total = torch.cuda.mem_get_info()
+        stop_all(f"rank {rank}: --vllm-gpu-memory {args.vllm_gpu_memory} asks for "
+                 f"{args.vllm_gpu_memory * total / 2**30:.1f} GiB of cuda:{local_rank}, {free / 2**30:.1f} GiB are "
+                 f"free beside the trainer's ZeRO-3 states: lower it to {free / total - 0.03:.2f} or use more GPUs "
+                 "(docs/gpu.md)" if free < args.vllm_gpu_memory * total else None)
+    # external_launcher: one engine per launched rank, on the device of LOCAL_RANK, inside the
+    # launcher's process group (CPU and CUDA alike). vLLM's default uniprocess executor would put
+    # every rank's engine on cuda:0 and move the rank's current device there.
+    # processed_logprobs: a sampled token's log-prob as sampled, after temperature (and top-p renormalisation)
+    llm = LLM(model=model_path, max_model_len=max_len, seed=args.seed + rank, tensor_parallel_size=1,
+              distributed_executor_backend="external_launcher", use_tqdm_on_load=False,
+              logprobs_mode="processed_logprobs", **kw)
+    moved = cuda and torch.cuda.current_device() != local_rank
+    stop_all(f"rank {rank}: vLLM's engine moved the current CUDA device to cuda:{torch.cuda.current_device()}, "
+             f"not cuda:{local_rank} (LOCAL_RANK)" if moved else None)
+    if cuda and rank == 0 and args.rollout_seed == "request" and not llm.llm_engine.vllm_config.use_v2_model_runner:
+        print("[grpo] vLLM runs its V1 model runner, whose sampler loops in Python over every seeded request at "
+              "every decode step: --rollout-seed engine avoids it (docs/gpu.md)", flush=True)
+    return llm
+
+
+def stop_all(problem: str | None) -> None:
+    """Every rank stops with the first rank's problem, if any rank has one (a collective: all ranks call it)."""
+    errors = [e for e in all_gather_objects(problem) if e]
+    if errors:
+        sys.exit(f"train_grpo.py: error: {errors[0]}")
+
+
+def vllm_cpu_kwargs(max_model_len: int) -> dict:
+    # vLLM's CPU sampler cannot rewind a seeded request's generator when chunked prefill splits
+    # its prompt ("CPU Generator does not use offset"), which happens as soon as a batch's prompt
+    # tokens exceed the token budget. Prefill whole prompts instead, with a budget that holds
+    # the longest (vLLM's CPU platform does the same for MLA models).
+    return dict(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
+                max_num_batched_tokens=max(max_model_len, 4096))
+
+
+def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank: int):
+    """The ZeRO-3 policy engine, the frozen reference engine (only with --kl-coef), the vLLM engine."""
+    engine, ref_engine = build_trainer(args, model_path, ds_config)
+    return engine, ref_engine, make_vllm(model_path, args, rank, local_rank)
+
+
+def load_prompts(
+    spec: str, tokenizer, args, limit: int | None = None, train: bool = False
+) -> tuple[list[dict], int]:
+    """Rows with their rendered, tokenized prompt; drops (and counts) over-long prompts.
+    train: a training set, deduplicated by prompt (held-out sets are taken as published)."""
+    from data.prepare import load_rows
+    from data.templates import prompt_ids
+
+    rows, dropped = [], 0
+    for row in load_rows(spec, train=train):
+        ids = prompt_ids(row, args.template, tokenizer)
+        if len(ids) > args.max_prompt_len:
+            dropped += 1
+            continue
+        rows.append({**row, "prompt_ids": ids})
+        if limit and len(rows) >= limit:
+            break
+    if not rows:
+        raise ValueError(f"dataset {spec}: no prompts left ({dropped} longer than --max-prompt-len)")
+    return rows, dropped
+
+
+def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list[dict]]:
+    """(model path, tokenizer, training rows, prompts dropped as too long, held-out rows); a bad input
+    stops every rank with one line before any engine starts."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoTokenizer
+
+    from data.demo import model_dir
+    from rewards import SandboxUnavailable, sandbox_mode
+
+    try:
+        if local_rank == 0:
+            model_dir(args.model)  # an offline policy is copied into this node's cache once
+        dist.barrier()
+        model_path = model_dir(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+        if context and args.max_prompt_len + args.max_response_len > context:
+            raise ValueError(f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len} "
+                             f"exceeds the model's context of {context} tokens")
+        args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        train_rows, dropped = load_prompts(args.dataset, tokenizer, args, train=True)
+        eval_rows = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit)[0] if args.eval_dataset else []
+        if any(r["kind"] == "code" for r in train_rows + eval_rows):
+            sandbox_mode()  # code rewards fail closed without bubblewrap: say so before any engine starts
+    except (ValueError, OSError, SandboxUnavailable) as e:
+        sys.exit(f"train_grpo.py: error: {first_line(e)}")
+    return model_path, tokenizer, train_rows, dropped, eval_rows
+
+
 def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tuple[int, list[int], int]:
     """(step, prompt order, bad-step streak) of the newest checkpoint every rank can load, weights
     synced into vLLM; (0, [], 0) for a new run. One whose files fail their CRC on any rank: the one before."""
@@ -1563,248 +1158,42 @@ def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tu
     return 0, [], 0
 
 
-def open_loggers(args, out_dir: Path, rank: int, start: int):
-    """(log(step, metrics), close()): metrics.jsonl always, TensorBoard and/or wandb (--report-to); rank 0.
+def sample_and_score(llm, rows: list[dict], prompt_indices: list[int], n: int, temperature: float, top_p: float,
+                     max_tokens: int, seed: int, step: int, workers: int) -> tuple[list[list[str]], list[list[float]]]:
+    """n responses to each row's prompt_ids and their rewards, per row: the one evaluation path of the
+    trainer's in-loop evaluation and of evaluate.py."""
+    from rewards import compute_rewards, reference
 
-    The steps after `start` (the checkpoint resumed from) are redone: their metrics.jsonl lines are
-    dropped and TensorBoard purges them; a fresh start (start 0) also redoes step 0's evaluation, so
-    nothing logged is kept. wandb continues the run of the same id (out_dir/wandb_id), its charts
-    against train/step, so a redone step is drawn again rather than rejected. TensorBoard is flushed
-    at every step, so that an early end loses no step that metrics.jsonl holds.
-    """
-    if rank != 0:
-        return (lambda step, metrics: None), (lambda: None)
-    from torch.utils.tensorboard import SummaryWriter
-
-    path = out_dir / "metrics.jsonl"
-    logged = logged_lines(path)
-    if start == 0 and any(step > 0 for step, _ in logged):
-        print(f"[grpo] {out_dir} has logged steps but no checkpoint: starting afresh over them", flush=True)
-    path.write_text("".join(line + "\n" for step, line in logged if 0 < start and step <= start))
-    # TensorBoard drops the events of every step >= purge_step written before
-    writer = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1 if start else 0) \
-        if "tensorboard" in args.report_to else None
-    run = None
-    if "wandb" in args.report_to:
-        import wandb
-
-        id_file = out_dir / "wandb_id"
-        run_id = id_file.read_text().strip() if start > 0 and id_file.exists() else os.urandom(6).hex()
-        id_file.write_text(run_id)
-        try:
-            run = wandb.init(project=os.environ.get("WANDB_PROJECT", "balanced-grpo"), name=out_dir.name, id=run_id,
-                             resume="allow", config=vars(args), dir=str(out_dir))
-        except Exception as e:  # wandb's own error types: no login, no network, a bad project
-            sys.exit(f"train_grpo.py: error: --report-to wandb: {first_line(e)} (wandb login, or WANDB_MODE=offline)")
-        run.define_metric("*", step_metric="train/step")
-
-    def log(step: int, metrics: dict[str, float]) -> None:
-        for k, v in metrics.items() if writer else ():
-            writer.add_scalar(k, v, step)
-        if writer:
-            writer.flush()
-        if run is not None:
-            run.log({"train/step": step, **metrics})
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-
-    def close() -> None:
-        if writer:
-            writer.close()
-        if run is not None:
-            run.finish()
-
-    return log, close
+    outs = generate(llm, rows, sampling_params(n, temperature, top_p, max_tokens, seed, step, prompt_indices))
+    texts = [[c.text for c in o.outputs] for o in outs]
+    flat = compute_rewards([t for ts in texts for t in ts], [reference(r) for r in rows for _ in range(n)],
+                           [r["kind"] for r in rows for _ in range(n)], workers)
+    return texts, [flat[j * n : (j + 1) * n] for j in range(len(rows))]
 
 
-def next_prompts(order: list[int], n_rows: int, args, step: int) -> tuple[list[int], list[int]]:
-    """This step's prompts over all ranks and the order left: seeded epochs, the same on every rank."""
-    while len(order) < args.prompts_per_step:
-        epoch = list(range(n_rows))
-        random.Random(args.seed + len(order) + step).shuffle(epoch)
-        order = order + epoch
-    return order[: args.prompts_per_step], order[args.prompts_per_step :]
+def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_dir: Path) -> dict[str, float]:
+    """Greedy accuracy and sampled Acc@k on this rank's shard of the held-out prompts."""
+    shard, idx, k = rows[rank::world], list(range(rank, len(rows), world)), args.eval_samples
+    g_text, g_score = sample_and_score(llm, shard, idx, 1, 0.0, 1.0, args.max_response_len, 0, 0, args.reward_workers)
+    _, s_score = sample_and_score(llm, shard, idx, k, args.temperature, args.top_p, args.max_response_len,
+                                  args.seed + 1, step, args.reward_workers)
+    t = all_reduce([sum(x[0] for x in g_score), sum(map(sum, s_score)), len(shard), k * len(shard)])
+    samples = [{"id": r["id"], "answer": r.get("answer"), "greedy": txt[0], "score": sc[0]}
+               for r, txt, sc in zip(shard, g_text, g_score)]
+    gathered = all_gather_objects(samples)
+    if rank == 0:
+        (out_dir / "eval").mkdir(parents=True, exist_ok=True)
+        with open(out_dir / "eval" / f"step_{step:06d}.jsonl", "w") as f:
+            for part in gathered:
+                for s in part:
+                    f.write(json.dumps(s) + "\n")
+    return {"eval/acc_greedy": (t[0] / t[2]).item(), f"eval/acc@{k}": (t[1] / t[3]).item()}
 
 
-# peak dense bf16 tensor TFLOP/s by device name (the first name the device's contains); else --peak-tflops
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "H800": 989, "H20": 148,
-                    "A100": 312, "A800": 312, "L40S": 362, "B200": 2250, "MI300X": 1307}
-
-
-def model_flops_fn(engine, peak_tflops: float | None):
-    """(flops(sequence lengths), peak FLOP/s or None). Model FLOPs of one forward and backward:
-    6 N per token for the weight matmuls (N: parameters but an untied input embedding, a lookup) and
-    12 layers hidden S per token of an S-token sequence for attention, as in PaLM's MFU (Chowdhery et
-    al. 2022, app. B). Recomputation for gradient checkpointing does not count: MFU, not HFU."""
-    module, cfg = engine.module, engine.module.config
-    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 holds a partition)
-    n = sum(numel(p) for p in module.parameters())
-    if not getattr(cfg, "tie_word_embeddings", False):
-        n -= numel(module.get_input_embeddings().weight)
-    layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
-    peak = None
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        tflops = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-        peak = tflops * 1e12 if tflops else None
-        if peak is None and int(os.environ.get("RANK", "0")) == 0:
-            print(f"[grpo] no peak FLOP/s known for {name}: pass --peak-tflops to log perf/mfu", flush=True)
-    return (lambda seq_lens: sum(6 * n * s + 12 * layers * hidden * s * s for s in seq_lens)), peak
-
-
-def gpu_memory() -> list[float]:
-    """This rank's peak of PyTorch's allocator since the last call and the whole device in use, GiB."""
-    free, total = torch.cuda.mem_get_info()
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    torch.cuda.reset_peak_memory_stats()
-    return [peak, (total - free) / 2**30]
-
-
-SUM_KEYS = ["pg_loss", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates", "mismatch_abs",
-            "mismatch_kl", "mismatch_out", "correction"]
-
-
-def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: dict, args, world: int,
-                 model_flops, peak: float | None, memory: list[float] | None) -> dict[str, float]:
-    """The step's metrics: this rank's sums reduced over ranks, then normalised. Rates are per device,
-    the update's over the updates that ran (each response goes through one forward and backward)."""
-    t_update, ran = max(timer["update"], 1e-9), bool(sums.get("updates"))
-    local = {**rollout_metrics(rollouts, args.group_size), **dict.fromkeys(SUM_KEYS, 0.0), **sums,
-             "timeouts": reward_stats.get("timeouts", 0), "errors": reward_stats.get("errors", 0),
-             "gen_rate": sum(r["length"] for r in rollouts) / max(timer["rollout"], 1e-9),
-             "train_rate": sum(len(r["tokens"]) for r in rollouts) / t_update if ran else 0.0,
-             "flop_rate": model_flops([len(r["tokens"]) for r in rollouts]) / t_update if ran else 0.0}
-    local = dict(sorted(local.items()))  # the same keys in the same order on every rank
-    tot = dict(zip(local, all_reduce(list(local.values())).tolist()))
-    tokens, updates, n = max(1, tot["tokens"]), max(1, tot["updates"]), tot["responses"]
-    metrics = {
-        "reward/mean": tot["reward"] / n, "reward/accuracy": tot["correct"] / n,
-        "loss/pg": tot["pg_loss"] / world / updates,  # each rank's loss is the mean over its own groups
-        "loss/clip_frac": tot["clipped"] / tokens, "loss/approx_kl": tot["approx_kl"] / tokens,
-        "loss/grad_norm": tot["grad_norm"] / world / updates,
-        "train/skipped_updates": tot["skipped_updates"],
-        "train/no_signal": float(tot["updates"] + tot["skipped_updates"] == 0),  # no mini-batch ran
-        "length/mean": tot["length"] / n, "length/max": all_reduce([max(r["length"] for r in rollouts)], "max").item(),
-        "length/cv": tot["length_cv"] / tot["groups"],
-        "length/pos_neg_gap": tot["length_gap"] / tot["mixed_groups"] if tot["mixed_groups"] else 0.0,
-        "groups/zero_var_share": tot["zero_var_groups"] / tot["groups"],
-        "length/truncation_rate": tot["truncated"] / n,
-        "reward/timeouts": tot["timeouts"], "reward/errors": tot["errors"],
-        "perf/gen_tokens_per_s": tot["gen_rate"] / world, "perf/train_tokens_per_s": tot["train_rate"] / world,
-        "perf/update_tflops": tot["flop_rate"] / world / 1e12,
-        **{f"time/{k}": v for k, v in timer.items()},
-    }
-    if tot["tokens"]:  # measured on the tokens the update saw: none on a step without learning signal
-        metrics.update({"rollout/mismatch_abs": tot["mismatch_abs"] / tokens, "rollout/mismatch_kl": tot[
-            "mismatch_kl"] / tokens, "rollout/mismatch_out_share": tot["mismatch_out"] / tokens,
-            "rollout/correction_mean": tot["correction"] / tokens})
-    if "ref_kl" in tot:
-        metrics["loss/ref_kl"] = tot["ref_kl"] / tokens
-    if peak:
-        metrics["perf/mfu"] = tot["flop_rate"] / world / peak
-    if memory is not None:
-        metrics["memory/update_peak_gib"], metrics["memory/device_used_gib"] = all_reduce(memory, "max").tolist()
-    return metrics
-
-
-# The engine releases this trainer was read against: it relies on their internals (vLLM's in-process engine core,
-# layerwise reload_weights, sleep by tag; DeepSpeed's ZeRO-3 gathers and checkpoint layout). requirements.txt pins
-# the same (tests/test_gpu_check.py keeps the two equal).
-PINS = {"vllm": "0.32.0", "deepspeed": "0.19.8"}
-
-
-def installed_versions() -> dict[str, str | None]:
-    """{engine: installed version or None}, read from the package metadata without importing the engine;
-    vLLM's CPU build (vllm-cpu) provides the same vllm module."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(*names: str) -> str | None:
-        for name in names:
-            with contextlib.suppress(PackageNotFoundError):
-                return version(name)
-        return None
-
-    return {"vllm": installed("vllm", "vllm-cpu"), "deepspeed": installed("deepspeed")}
-
-
-def pin_mismatch(installed: dict[str, str | None]) -> str | None:
-    """One line naming each engine whose installed release is not its pin (a local tag such as +cpu aside)."""
-    from packaging.version import Version
-
-    off = [f"{m} {v or 'not installed'}" for m, v in installed.items()
-           if v is None or Version(v).public != Version(PINS[m]).public]
-    if not off:
-        return None
-    return (f"[grpo] installed {', '.join(off)}: this trainer was written against "
-            f"{', '.join(f'{m}=={v}' for m, v in PINS.items())} (requirements.txt), whose internals it uses")
-
-
-def resume_point(out_dir: Path, world: int) -> str:
-    """Where the same command picks the run up: its newest complete checkpoint, said in words."""
-    ckpt = next((c for c in checkpoint_dirs(out_dir / "checkpoints")[::-1] if checkpoint_problem(c, world) is None),
-                None)
-    if ckpt is None:
-        return "no checkpoint was saved yet: the same command starts the run afresh"
-    return f"the same command resumes the run from {ckpt} (step {int(ckpt.name[5:])})"
-
-
-def exit_without_teardown(code: int = 0) -> None:
-    """End the process now, past the interpreter's teardown of the engines (seconds per launch; gloo's
-    can abort, "terminate called without an active exception"). Only once every file is closed and
-    no rank is left in a collective with this one."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def one_line_early_ends(train):
-    """Ctrl-C, SIGTERM (a scheduler's preemption) and a full disk end every rank at once; rank 0 says in
-    one line why, and where the run resumes from. The exit skips the interpreter's teardown (engines and
-    process groups mid-collective); every log line is on disk by then."""
-    @functools.wraps(train)
-    def main(argv: list[str] | None = None) -> None:
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt
-
-        before = signal.signal(signal.SIGTERM, interrupt)
-        try:
-            return train(argv)
-        except (KeyboardInterrupt, OSError) as e:
-            if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, or the launcher's SIGTERM after it
-                signal.signal(sig, signal.SIG_IGN)
-            if isinstance(e, KeyboardInterrupt):
-                code, why = 130, "interrupted"
-            else:  # a save's own message names its directory; a log write's names none
-                said = str(e.strerror).startswith("no space left on")
-                code, why = 1, f"error: {e.strerror if said else f'no space left on {parse_args(argv).output_dir}'}"
-            if int(os.environ.get("RANK", "0")) == 0:  # after a progress bar's last, unfinished line
-                where = resume_point(Path(parse_args(argv).output_dir), int(os.environ.get("WORLD_SIZE", "1")))
-                print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
-            exit_without_teardown(code)
-        finally:
-            signal.signal(signal.SIGTERM, before)
-
-    return main
-
-
-@one_line_early_ends
+@one_line_early_ends(lambda argv: parse_args(argv).output_dir)
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.deterministic:
-        make_deterministic()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if int(os.environ.get("RANK", "0")) == 0 and (line := pin_mismatch(installed_versions())):
-        print(line, flush=True)
+    args, world, ds_config, checkpoints = checked_launch(argv)
     out_dir = Path(args.output_dir)
-    try:
-        check_args(args, world)
-        ds_config = deepspeed_config(args, world)
-        checkpoints = check_output_dir(args, out_dir, world)
-        check_jit_cache(ds_config, int(os.environ.get("LOCAL_RANK", "0")))
-    except ValueError as e:
-        sys.exit(f"train_grpo.py: error: {e}")
     rank, local_rank = init_distributed(out_dir, checkpoints, world)
     import torch.distributed as dist
     from tqdm import tqdm
@@ -1844,15 +1233,8 @@ def main(argv: list[str] | None = None) -> None:
         # 1-2. rollout and reward: this rank's share of the step's prompts, G scored responses each
         rollouts, order, sampling = sample_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
                                                 lambda text: bar.set_postfix_str(text, refresh=True))
-        if cuda:  # level 2: weights discarded, not copied to host (the sync reloads them); KV cache to training
-            llm.sleep(level=2)
-            torch.cuda.empty_cache()
-            if args.micro_batch_tokens is None:  # what is free now is what the update has
-                args.micro_batch_tokens = token_budget(engine.module.config, torch.cuda.mem_get_info()[0],
-                                                       engine.module.is_gradient_checkpointing, args.logprob_chunk)
-                if rank == 0:
-                    print(f"[grpo] micro-batches of up to {args.micro_batch_tokens} tokens (--micro-batch-tokens)",
-                          flush=True)
+        if cuda:
+            memory_to_update(llm, engine, args, rank)
 
         # 3. advantages within each group
         adv = group_advantages(torch.tensor([r["reward"] for r in rollouts], dtype=torch.float64), args.group_size,
@@ -1860,49 +1242,24 @@ def main(argv: list[str] | None = None) -> None:
         for r, a in zip(rollouts, adv.tolist()):
             r["advantage"] = a
 
-        # old log-probs only when the policy moves between mini-batches; ref only with KL
-        t0 = time.time()
-        if args.minibatches > 1:
-            fill_logprobs(engine, rollouts, "old_logp", args, device)
-        if ref_engine is not None:
-            fill_logprobs(ref_engine, rollouts, "ref_logp", args, device)
-        timer["logprobs"] = time.time() - t0
-
-        # 4. aggregation weights, once per rollout batch, and 5. update: mini-batches of whole groups
-        t0 = time.time()
+        # 4-6. aggregation weights once per rollout batch; per-token policy loss; ZeRO-3 update per mini-batch
         lr = engine.get_lr()[0]  # of this step's first update
-        engine.train()
-        weights = loss_weights(adv, rollouts, args)
-        # No learning signal anywhere (every group has zero reward variance, no KL term):
-        # skip the update rather than let AdamW's momentum and decay move the weights.
-        signal = all_reduce([float(bool((adv != 0).any()) or args.kl_coef > 0)], op="max").item() > 0
-        sums, per_mb = defaultdict(float), len(rollouts) // args.minibatches
-        for mb in range(args.minibatches if signal else 0):
-            part = slice(mb * per_mb, (mb + 1) * per_mb)
-            s = update_minibatch(engine, rollouts[part], weights[part], args, device)
-            bad = s.pop("skipped") > 0  # as DeepSpeed decided: the weights did not move
-            for k, v in s.items():
-                sums[k] += 0.0 if bad else v
-            sums["skipped_updates"] += bad / world
-            sums["updates"] += (not bad) / world
-        timer["update"] = time.time() - t0
+        sums = update(engine, ref_engine, rollouts, adv, args, device, world, timer)
         memory = gpu_memory() if cuda else None
-        nonfinite = nonfinite_weights(engine)
-        if nonfinite:  # nothing of this update is synced, evaluated or saved: the run ends at its last checkpoint
-            log(step, {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory),
-                       "lr": lr, "train/nonfinite_weights": nonfinite})
+        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory, all_reduce),
+                   "lr": lr, **sampling}
+        if nonfinite := nonfinite_weights(engine):  # nothing of it is synced, evaluated or saved
+            log(step, {**metrics, "train/nonfinite_weights": nonfinite})
             close_loggers()
             dist.barrier()
             sys.exit(f"train_grpo.py: error: step {step}'s update made {nonfinite} weights non-finite (not saved); "
                      f"{resume_point(out_dir, world)}" if rank == 0 else 1)
 
-        # 6. weight sync
+        # 7. weight sync
         t0 = time.time()
         sync_weights_to_vllm(engine, llm)
-        timer["sync"] = time.time() - t0
+        timer["sync"] = metrics["time/sync"] = time.time() - t0
 
-        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory), "lr": lr,
-                   **sampling}
         if eval_rows and (step % args.eval_interval == 0 or step == args.steps):
             metrics.update(evaluate(llm, eval_rows, args, rank, world, step, out_dir))
         log(step, metrics)
@@ -1927,7 +1284,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[grpo] run in {out_dir}/: metrics.jsonl, tb/ (TensorBoard), checkpoints/", flush=True)
     close_loggers()
     dist.barrier()
-
 
 if __name__ == "__main__":
     main()

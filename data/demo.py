@@ -9,13 +9,13 @@ rewards.py's math reward like any real task. They differ in how they answer:
               ramble longer (k ~ U{1..10} when right, U{6..30} when wrong), as long chain-of-
               thought models do when they fail. Response lengths vary within a group (5 to ~35
               tokens) and are coupled to the sign of the advantage: the regime where seq-, token-
-              and balanced-agg differ (the aggregation lab, README "Aggregation bias on a laptop").
+              and balanced-agg differ (the aggregation lab, docs/lab.md).
   lab-nogap   the control: " wait wait ... \\boxed{c}", the same length distribution drawn
               independently of correctness, one ramble word before the answer, and the demo's
               off-by-one failures.
   lab-nogap-hi  the same control, warmed up further (from lab-nogap) on targets that are right
               with probability 0.95 instead of 0.3, with the same length distribution: the control
-              above 50% accuracy (README "Is balanced aggregation length-neutral?").
+              above 50% accuracy (docs/lab.md, "Is balanced aggregation length-neutral?").
 
 The warm-up is deliberately imperfect: supervised targets are the right sum only with
 probability `P_CORRECT[task]`, otherwise wrong (off by one in the demo, the first operand in the lab).

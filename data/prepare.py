@@ -28,9 +28,10 @@ import json
 import os
 import pickle
 import re
-import tempfile
 import zlib
 from pathlib import Path
+
+from grpo_run import first_line, is_hub_id, writable_problem
 
 PREPARED_DIR = Path(__file__).resolve().parent / "prepared"
 # Benchmark copies that ship with the project (sources and licences in its README): found by name offline.
@@ -300,15 +301,6 @@ def _read_hub(repo: str, config: str | None, split: str):
                          f"{first_line(e)}") from None
 
 
-def first_line(e: BaseException) -> str:
-    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-
-
-def is_hub_id(name: str) -> bool:
-    """'owner/name' on the Hugging Face hub (not a local path): models and datasets alike."""
-    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
-
-
 def _is_prepared(row: dict) -> bool:
     return row.get("kind") in ("math", "code") and "prompt" in row and ("answer" in row or "tests" in row)
 
@@ -413,13 +405,8 @@ def main() -> None:
     args = p.parse_args()
     if args.source and not os.path.exists(args.source):  # load_rows would name its own --data-dir
         raise SystemExit(f"prepare: error: --from {args.source}: no such file or directory")
-    try:
-        os.makedirs(args.out, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=args.out, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise SystemExit(f"prepare: error: --out {args.out} is not writable ({first_line(e)})") from None
+    if problem := writable_problem(args.out):
+        raise SystemExit(f"prepare: error: --out {args.out} is not writable ({problem})")
     for name in args.names:
         try:
             if args.source and os.path.isfile(args.source):

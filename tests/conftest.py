@@ -132,3 +132,20 @@ def wandb_log(path: Path) -> dict:
     history = [items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
     return {"run_id": run.run_id, "config": {k: v["value"] if isinstance(v, dict) and "value" in v else v
                                              for k, v in items(run.config.update).items()}, "history": history}
+
+
+def check_args(args, world: int) -> None:
+    """grpo_run.check_args with the trainer's tables, as train_grpo.checked_launch calls it."""
+    import grpo_run
+    import train_grpo
+
+    grpo_run.check_args(args, world, train_grpo.POLICY_LOSS_DEFAULTS[args.policy_loss], train_grpo.OFFLINE_DEFAULTS)
+
+
+def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
+    """grpo_run.check_output_dir with the trainer's defaults for this --model, as checked_launch calls it."""
+    import grpo_run
+    import train_grpo
+
+    defaults = vars(train_grpo.parse_args(["--model", args.model]))
+    return grpo_run.check_output_dir(args, out_dir, world, defaults)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU acceptance check, on the Python a GPU node already has (README: GPU):
+# The GPU acceptance check, on the Python a GPU node already has (docs/gpu.md):
 #
 #     bash tests/gpu_check.sh [PYTHON]      # default: $GPU_CHECK_PYTHON, else python3 on PATH
 #
@@ -14,7 +14,7 @@
 # 3. Runs tests/test_gpu.py: the update path at real shapes wherever DeepSpeed imports, the rollout and
 #    weight-sync checks where vLLM does too; each skip says what is missing. Then, on CUDA with DeepSpeed,
 #    the update benchmark (bench_step.py --update-only at each of $GPU_CHECK_SHAPES, default
-#    "qwen2.5-1.5b qwen2.5-3b": the README's MFU table, at the trainer's CUDA defaults).
+#    "qwen2.5-1.5b qwen2.5-3b": docs/gpu.md's MFU table, at the trainer's CUDA defaults).
 # Without a CUDA device nothing is installed and every GPU test skips; GPU_CHECK_FORCE=1 tries the
 # install anyway (to check an offline wheel directory on any machine). Exit status: the tests', and non-zero
 # on a node with a GPU (torch or nvidia-smi sees one) where the update path was not checked, with one line

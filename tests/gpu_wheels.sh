@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheel directory tests/gpu_check.sh installs from on a GPU node without network (README: GPU). Run it on a
+# The wheel directory tests/gpu_check.sh installs from on a GPU node without network (docs/gpu.md). Run it on a
 # machine with network and a Python that has torch (DeepSpeed's build imports it):
 #
 #     bash tests/gpu_wheels.sh DIR [NODE_PYTHON_VERSION] [NODE_PLATFORM]    # default: 3.12 manylinux_2_28_x86_64

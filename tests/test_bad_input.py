@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BENCHMARKS, ENVIRON, ROOT, cpu_env
+from conftest import BENCHMARKS, ENVIRON, ROOT, check_args, check_output_dir, cpu_env
 
+import grpo_run
 import jit_cache
 import train_grpo
 
@@ -106,13 +107,13 @@ def test_each_policy_loss_gets_its_papers_defaults_unless_a_flag_is_given():
     assert (args["sapo"].sapo_tau_pos, args["sapo"].sapo_tau_neg, args["sapo"].clip_eps_low) == (1.0, 1.05, None)
     assert train_grpo.parse_args(["--policy-loss", "gspo", "--clip-eps-high", "1e-3"]).clip_eps_high == 1e-3
     for a in args.values():
-        train_grpo.check_args(a, world=1)
+        check_args(a, world=1)
 
 
 @pytest.mark.parametrize("flags,message", RANGES, ids=[" ".join(f) for f, _ in RANGES])
 def test_trainer_flag_ranges(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        train_grpo.check_args(train_grpo.parse_args(flags), world=1)
+        check_args(train_grpo.parse_args(flags), world=1)
 
 
 def float_flags() -> list[str]:
@@ -137,7 +138,7 @@ def test_every_float_flag_must_be_finite():
     for flag in flags:
         for value in ("nan", "inf", "-inf"):
             with pytest.raises(ValueError, match=re.escape(f"{flag} must be a finite number")):
-                train_grpo.check_args(train_grpo.parse_args([f"{flag}={value}"]), world=1)
+                check_args(train_grpo.parse_args([f"{flag}={value}"]), world=1)
 
 
 def test_every_float_flag_is_bounded_where_float32_ends():
@@ -147,17 +148,17 @@ def test_every_float_flag_is_bounded_where_float32_ends():
             argv = [f"{flag}={value}", *(["--policy-loss", "sapo"] if "sapo" in flag else []),
                     *(["--overlong-buffer", "12"] if flag == "--overlong-penalty" else [])]
             with pytest.raises(ValueError, match=re.escape(f"{flag} must be ")):
-                train_grpo.check_args(train_grpo.parse_args(argv), world=1)
+                check_args(train_grpo.parse_args(argv), world=1)
 
 
 def test_a_flag_that_needs_another_is_taken_with_it():
     for argv in (["--overlong-buffer", "12"], ["--overlong-buffer", "12", "--overlong-penalty", "2"],
                  ["--overlong-buffer=12", "--overlong-pen=1.0"]):  # an abbreviation is a flag given too
         args = train_grpo.parse_args(argv)
-        train_grpo.check_args(args, world=1)
-    assert "overlong_penalty" in args.flags_given and "flags_given" in train_grpo.RUN_ARGS_IGNORED
+        check_args(args, world=1)
+    assert "overlong_penalty" in args.flags_given and "flags_given" in grpo_run.RUN_ARGS_IGNORED
     with pytest.raises(ValueError, match="--overlong-penalty has no effect without --overlong-buffer"):
-        train_grpo.check_args(train_grpo.parse_args(["--overlong-penalty=1.0"]), world=1)  # the default, typed
+        check_args(train_grpo.parse_args(["--overlong-penalty=1.0"]), world=1)  # the default, typed
 
 
 def test_a_model_folder_without_its_config_or_tokenizer_is_named(tmp_path):
@@ -166,7 +167,7 @@ def test_a_model_folder_without_its_config_or_tokenizer_is_named(tmp_path):
     demo_dir = Path(model_dir("demo"))
 
     def check(model):
-        train_grpo.check_args(train_grpo.parse_args(["--model", str(model)]), world=1)
+        check_args(train_grpo.parse_args(["--model", str(model)]), world=1)
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=re.escape(f"--model {tmp_path / 'empty'}: no config.json in it")):
@@ -400,13 +401,13 @@ def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
     args = checkpointed_run(tmp_path / "run")
     ckpts = tmp_path / "run" / "checkpoints"
     (ckpts / "latest").write_text("")  # an emptied pointer is not a fresh start
-    assert train_grpo.check_output_dir(args, tmp_path / "run", 1) == [ckpts / f"step_{s:06d}" for s in (3, 2, 1)]
+    assert check_output_dir(args, tmp_path / "run", 1) == [ckpts / f"step_{s:06d}" for s in (3, 2, 1)]
     (ckpts / "step_000003" / "trainer_state.json").unlink()
     shard = ckpts / "step_000002" / "state" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     shard.write_bytes(shard.read_bytes()[:100])
-    assert train_grpo.check_output_dir(args, tmp_path / "run", 1) == [ckpts / "step_000001"]
+    assert check_output_dir(args, tmp_path / "run", 1) == [ckpts / "step_000001"]
     with pytest.raises(ValueError, match="written by 1 ranks, this launch has 2: launch it with 1"):
-        train_grpo.check_output_dir(args, tmp_path / "run", 2)
+        check_output_dir(args, tmp_path / "run", 2)
 
 
 def test_a_run_with_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
@@ -457,7 +458,7 @@ def test_a_held_output_dir_refuses_a_second_launch_and_the_lock_dies_with_its_ho
     out = tmp_path / "run"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib, train_grpo; train_grpo.lock_output_dir(pathlib.Path(sys.argv[1]));"
+        [sys.executable, "-c", "import sys, pathlib, grpo_run; grpo_run.lock_output_dir(pathlib.Path(sys.argv[1]));"
          " print('locked', flush=True); sys.stdin.read()", str(out)],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=cpu_env())
     try:
@@ -465,20 +466,20 @@ def test_a_held_output_dir_refuses_a_second_launch_and_the_lock_dies_with_its_ho
         args = train_grpo.parse_args(["--output-dir", str(out)])
         with pytest.raises(ValueError, match=re.escape(f"is in use by another launch (pid {holder.pid} on "
                                                        f"{socket.gethostname()}, since ")):
-            train_grpo.check_output_dir(args, out, 1)
+            check_output_dir(args, out, 1)
         monkeypatch.setenv("RANK", "1")  # the run's other ranks (and nodes) share the directory: one lock per run
-        assert train_grpo.check_output_dir(args, out, 2) == []
+        assert check_output_dir(args, out, 2) == []
         monkeypatch.setenv("RANK", "0")
     finally:
         holder.kill()  # SIGKILL: no cleanup runs, and the kernel drops the lock with the process
         holder.wait()
-    assert train_grpo.check_output_dir(args, out, 1) == []
+    assert check_output_dir(args, out, 1) == []
     assert (out / "run.lock").read_text().startswith(f"pid {os.getpid()} on ")
 
 
 def test_checkpoints_carry_the_run_identity(tmp_path):
     def check(run, *flags):
-        return train_grpo.check_output_dir(train_grpo.parse_args(["--output-dir", str(run), *flags]), run, 1)
+        return check_output_dir(train_grpo.parse_args(["--output-dir", str(run), *flags]), run, 1)
 
     run = tmp_path / "run"
     checkpointed_run(run, steps=2)
@@ -525,7 +526,7 @@ def test_checkpoints_carry_the_run_identity(tmp_path):
 def test_a_run_older_than_code_reward_goes_on_with_the_fraction_it_was_trained_with(tmp_path, capsys):
     def check(run, *flags):
         args = train_grpo.parse_args(["--output-dir", str(run), *flags])
-        return args, train_grpo.check_output_dir(args, run, 1)
+        return args, check_output_dir(args, run, 1)
 
     run = tmp_path / "run"
     checkpointed_run(run, steps=2)
@@ -564,20 +565,20 @@ def test_a_run_lock_that_is_a_directory_and_a_dangling_link_are_named(tmp_path):
     (run / "run.lock").mkdir(parents=True)  # once IsADirectoryError, 20 lines
     args = train_grpo.parse_args(["--output-dir", str(run)])
     with pytest.raises(ValueError, match=re.escape(f"{run}/run.lock is a directory, where the run's lock file goes")):
-        train_grpo.check_output_dir(args, run, 1)
+        check_output_dir(args, run, 1)
     # once "not writable ([Errno 17] File exists)", naming neither the link nor its target
     os.symlink(tmp_path / "gone", tmp_path / "link")
     for out in (tmp_path / "link", tmp_path / "link" / "run"):
         with pytest.raises(ValueError, match=re.escape(f"--output-dir {out}: {tmp_path / 'link'} is a symbolic link "
                                                        f"to {tmp_path / 'gone'}, which does not exist")):
-            train_grpo.check_output_dir(train_grpo.parse_args(["--output-dir", str(out)]), out, 1)
+            check_output_dir(train_grpo.parse_args(["--output-dir", str(out)]), out, 1)
     # the run's other files as directories: once IsADirectoryError tracebacks
     for name, message in (("metrics.jsonl", "metrics.jsonl: [Errno 21] Is a directory"),
                           ("args.json", "args.json cannot be read as JSON ([Errno 21] Is a directory")):
         other = tmp_path / name.split(".")[0]
         (other / name).mkdir(parents=True)
         with pytest.raises(ValueError, match=re.escape(message)):
-            train_grpo.check_output_dir(train_grpo.parse_args(["--output-dir", str(other)]), other, 1)
+            check_output_dir(train_grpo.parse_args(["--output-dir", str(other)]), other, 1)
 
 
 def test_resume_with_nothing_to_resume_says_so(tmp_path):
@@ -599,8 +600,8 @@ def test_only_the_trainers_own_names_are_checkpoints(tmp_path, demo_dir):
     shutil.copytree(ckpts / "step_000001", ckpts / "step_best")  # a user's copy: once "resumed" over steps 2-3
     shutil.copytree(ckpts / "step_000002", ckpts / "step_000002.bak")  # a backup: once pruned by --keep-last
     (ckpts / "step_000004.tmp").mkdir()  # a save in progress
-    assert train_grpo.check_output_dir(args, run, 1) == [ckpts / f"step_{s:06d}" for s in (3, 2, 1)]
-    assert [c.name for c in train_grpo.checkpoint_dirs(ckpts)] == ["step_000001", "step_000002", "step_000003"]
+    assert check_output_dir(args, run, 1) == [ckpts / f"step_{s:06d}" for s in (3, 2, 1)]
+    assert [c.name for c in grpo_run.checkpoint_dirs(ckpts)] == ["step_000001", "step_000002", "step_000003"]
     assert [s for s, _ in evaluate.run_checkpoints(str(run))] == [0, 1, 2, 3]
     assert "step_000003 (step 3)" in train_grpo.resume_point(run, 1)
 
@@ -610,19 +611,19 @@ def test_damaged_records_are_named_before_any_engine(tmp_path, capsys):
     args = checkpointed_run(run, steps=3)
     state = run / "checkpoints" / "step_000003" / "trainer_state.json"
     state.write_text(json.dumps({**json.loads(state.read_text()), "step": "one"}))
-    assert train_grpo.check_output_dir(args, run, 1)[0].name == "step_000002"
+    assert check_output_dir(args, run, 1)[0].name == "step_000002"
     assert "step_000003 (trainer_state.json: step and bad_streak must be counts (got 'one', 0))" in \
         capsys.readouterr().out
 
     log = run / "metrics.jsonl"
     log.write_text(log.read_text() + '{"step": 4, "reward/me')  # cut by a kill while it was written: dropped
-    assert [s for s, _ in train_grpo.logged_lines(log)] == [1, 2, 3]
+    assert [s for s, _ in grpo_run.logged_lines(log)] == [1, 2, 3]
     log.write_text('{"step": 1}\n{"step": "one"}\n{"step": 3}\n')
     with pytest.raises(ValueError, match=re.escape(f"{log} line 2: no integer 'step'; expected one JSON object")):
-        train_grpo.check_output_dir(args, run, 1)
+        check_output_dir(args, run, 1)
     log.write_bytes(b'{"step": 1}\n{"step": 2, "x": "\xff"}\n{"step": 3}\n')
     with pytest.raises(ValueError, match=re.escape(f"{log} line 2: 'utf-8' codec can't decode")):
-        train_grpo.check_output_dir(args, run, 1)
+        check_output_dir(args, run, 1)
 
 
 def test_a_relaunch_never_logs_a_step_twice(tmp_path):

@@ -51,12 +51,13 @@ def test_every_collective_of_the_project_goes_through_one_place():
 
 
 def test_the_source_check_catches_a_cpu_tensor_reduction_put_back():
-    # the trainer's max-length reduction as it was before: a CPU tensor handed to all_reduce
-    source = (ROOT / "train_grpo.py").read_text()
+    # the trainer's max-length reduction as it was before: a CPU tensor handed to all_reduce (the metrics are
+    # in grpo_run.py, which is handed train_grpo.all_reduce)
+    source = (ROOT / "grpo_run.py").read_text()
     new = '"length/max": all_reduce([max(r["length"] for r in rollouts)], "max").item(),'
     old = '"length/max": (dist.all_reduce(m := torch.tensor([max(r["length"] for r in rollouts)])) or m).item(),'
     assert new in source
-    calls = collective_calls(source.replace(new, old), "train_grpo.py")
+    calls = collective_calls(source.replace(new, old), "grpo_run.py")
     assert [c[1] for c in calls if c[:2] not in ALLOWED] == ["step_metrics"]
 
 

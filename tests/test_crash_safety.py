@@ -13,9 +13,10 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, cpu_env, deepspeed_run, wandb_log
+from conftest import ROOT, check_output_dir, cpu_env, deepspeed_run, wandb_log
 from safetensors.torch import load_file
 
+import grpo_run
 import train_grpo
 
 RUN = ["--steps", "5", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4", "--minibatches", "2",
@@ -260,10 +261,9 @@ def test_a_full_disk_ends_in_one_line_and_keeps_the_newest_checkpoint(tmp_path, 
     assert [x for x in res.stderr.splitlines() if "error:" in x] == [
         f"train_grpo.py: error: no space left on {ckpts}: step_000002.tmp is incomplete (remove it, or the next "
         f"save at this step does); the same command resumes the run from {ckpts}/step_000001 (step 1)"]
-    import train_grpo
 
     assert (copy / "checkpoints" / "latest").read_text() == "step_000001"
-    assert train_grpo.checkpoint_problem(copy / "checkpoints" / "step_000001", 1) is None
+    assert grpo_run.checkpoint_problem(copy / "checkpoints" / "step_000001", 1) is None
     assert load_file(copy / "checkpoints" / "step_000001" / "model.safetensors")
 
 
@@ -311,7 +311,7 @@ def test_a_run_from_before_a_flag_existed_is_the_same_run(tmp_path):
            if k not in ("policy_loss", "sapo_tau_pos", "sapo_tau_neg", "dynamic_sampling", "max_sample_rounds",
                         "overlong_buffer", "overlong_penalty")}
     (tmp_path / "args.json").write_text(json.dumps(old))
-    assert train_grpo.check_output_dir(args, tmp_path, world=1) == []
+    assert check_output_dir(args, tmp_path, world=1) == []
     with pytest.raises(ValueError, match="--dynamic-sampling False -> True"):
-        train_grpo.check_output_dir(train_grpo.parse_args(["--output-dir", str(tmp_path), "--dynamic-sampling"]),
+        check_output_dir(train_grpo.parse_args(["--output-dir", str(tmp_path), "--dynamic-sampling"]),
                                     tmp_path, world=1)

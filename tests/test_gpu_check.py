@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import LAUNCHER, ROOT, cpu_env
 
-from train_grpo import PINS, installed_versions, pin_mismatch
+from grpo_run import PINS, installed_versions, pin_mismatch
 
 CLOSED_INDEX = "http://127.0.0.1:9/simple"  # the discard port: nothing listens, a connection is refused at once
 

@@ -32,9 +32,10 @@ import torch  # noqa: E402
 
 import train_grpo as T  # noqa: E402
 from bench_step import SHAPES, synthetic_rollouts  # noqa: E402
+from grpo_run import check_args, checkpoint_problem  # noqa: E402
 
 # a redo within this share of the update's own change is kernel noise; a broken resume moves the update by far
-# more (measured on the CPU: see tests/test_gpu_check.py and README: GPU)
+# more (measured on the CPU: see tests/test_gpu_check.py and docs/gpu.md)
 REDO_TOLERANCE = 0.1
 FAULTS = ("moments", "step")  # what a broken resume could fail to restore
 
@@ -133,7 +134,7 @@ def main() -> None:
                         + ["--deterministic"] * a.deterministic
                         + (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens is not None
                            else []))
-    T.check_args(args, world)
+    check_args(args, world, T.POLICY_LOSS_DEFAULTS[args.policy_loss], T.OFFLINE_DEFAULTS)
     args.pad_id = 0
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -162,7 +163,7 @@ def main() -> None:
     straight = update(engine, ref_engine, args, 2, rank, device)
     after = master_weights(engine)
 
-    result["checkpoint_problem"] = T.checkpoint_problem(root / "step_000001", world)
+    result["checkpoint_problem"] = checkpoint_problem(root / "step_000001", world)
     result["resumed_step"] = T.load_training_state(engine, root / "step_000001", rank)["step"]
     loaded = master_weights(engine)
     again = update(engine, ref_engine, args, 2, rank, device)

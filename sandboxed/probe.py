@@ -1,0 +1,28 @@
+"""The scorer's start-up probe (rewards._probe_bwrap): one sandbox as responses get it must find the kernel
+keyring, new namespaces and file locks refused, and its own directory writable."""
+
+import ctypes
+import errno
+import fcntl
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the program's own folder off sys.path
+from limit import limit, params, unpack  # noqa: E402
+
+unpack()
+limit(*params["limits"])
+libc = ctypes.CDLL(None, use_errno=True)
+keyring = libc.syscall(params["add_key"], b"user", b"probe", b"x", 1, -4) != -1 or ctypes.get_errno() != errno.EPERM
+namespace = libc.unshare(0x10000000) != -1 or ctypes.get_errno() != errno.EPERM  # CLONE_NEWUSER
+with open("probe", "w") as f:
+    f.write("x")
+    try:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        locks = True
+    except OSError as e:
+        locks = e.errno != errno.ENOLCK
+
+
+print("keyring reachable" if keyring else "namespaces allowed" if namespace else "locks shared" if locks else
+      "isolated", flush=True)
