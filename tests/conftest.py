@@ -86,6 +86,18 @@ def clean_machine():
     assert not {f for f in set(os.listdir("/tmp")) - before if f.startswith("reward-")}
     for pool_dir in Path("/tmp").glob("rewards-pool-*"):  # the batch workers' (weaker modes only)
         assert not set(os.listdir(pool_dir)) - pools.get(pool_dir, set())
+    # nor a sandbox's own tmpfs (root: rewards._private_tmpfs), unmounted in the background once it ends
+    while sandbox_mounts() and time.time() < deadline + 5:
+        time.sleep(0.1)
+    assert not sandbox_mounts()
+
+
+def sandbox_mounts() -> list[str]:
+    """Mount points of this session's sandboxes' tmpfs (the uids conftest gave this session) still mounted."""
+    root = rewards._TMPFS_ROOT.rstrip("/") + "/"
+    points = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    return [m for m in points if m.startswith(root) and m[len(root):].isdigit()
+            and int(m[len(root):]) in rewards.SANDBOX_UIDS]
 
 
 @pytest.fixture
