@@ -589,36 +589,35 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
     at once; rank 0 says in one line why, and where the run in output_dir(argv) resumes from. The exit skips
     the interpreter's teardown (engines and process groups mid-collective); every log line is on disk by
     then."""
-    return functools.partial(_early_ends_in_one_line, output_dir=output_dir)
+    def decorate(train):
+        @functools.wraps(train)
+        def main(argv: list[str] | None = None) -> None:
+            def interrupt(signum, frame):
+                raise KeyboardInterrupt
 
+            before = signal.signal(signal.SIGTERM, interrupt)
+            try:
+                return train(argv)
+            except (KeyboardInterrupt, OSError) as e:
+                if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, or the launcher's SIGTERM after it
+                    signal.signal(sig, signal.SIG_IGN)
+                if isinstance(e, KeyboardInterrupt):
+                    code, why = 130, "interrupted"
+                else:  # a save's own message names its directory; a log write's names none
+                    said = str(e.strerror).startswith("no space left on")
+                    code, why = 1, f"error: {e.strerror if said else f'no space left on {output_dir(argv)}'}"
+                if int(os.environ.get("RANK", "0")) == 0:  # after a progress bar's last, unfinished line
+                    where = resume_point(Path(output_dir(argv)), int(os.environ.get("WORLD_SIZE", "1")))
+                    print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
+                exit_without_teardown(code)
+            finally:
+                signal.signal(signal.SIGTERM, before)
 
-def _early_ends_in_one_line(train, output_dir: Callable[[list[str] | None], str]):
-    @functools.wraps(train)
-    def main(argv: list[str] | None = None) -> None:
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt
+        return main
 
-        before = signal.signal(signal.SIGTERM, interrupt)
-        try:
-            return train(argv)
-        except (KeyboardInterrupt, OSError) as e:
-            if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, or the launcher's SIGTERM after it
-                signal.signal(sig, signal.SIG_IGN)
-            if isinstance(e, KeyboardInterrupt):
-                code, why = 130, "interrupted"
-            else:  # a save's own message names its directory; a log write's names none
-                said = str(e.strerror).startswith("no space left on")
-                code, why = 1, f"error: {e.strerror if said else f'no space left on {output_dir(argv)}'}"
-            if int(os.environ.get("RANK", "0")) == 0:  # after a progress bar's last, unfinished line
-                where = resume_point(Path(output_dir(argv)), int(os.environ.get("WORLD_SIZE", "1")))
-                print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
-            exit_without_teardown(code)
-        finally:
-            signal.signal(signal.SIGTERM, before)
-
-    return main
+    return decorate
 
 
 # -----------------------------------------------------------------------------
