@@ -223,13 +223,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # sampled them with; --dynamic-sampling keeps only groups whose scores differ.
 
 
-def next_prompts(order: list[int], n_rows: int, args, step: int) -> tuple[list[int], list[int]]:
-    """This step's prompts over all ranks and the order left: seeded epochs, the same on every rank."""
-    while len(order) < args.prompts_per_step:
+def next_prompts(order: list[int], n_rows: int, n: int, seed: int, step: int) -> tuple[list[int], list[int]]:
+    """This step's n prompts over all ranks and the order left: seeded epochs, the same on every rank."""
+    while len(order) < n:
         epoch = list(range(n_rows))
-        random.Random(args.seed + len(order) + step).shuffle(epoch)
+        random.Random(seed + len(order) + step).shuffle(epoch)
         order = order + epoch
-    return order[: args.prompts_per_step], order[args.prompts_per_step :]
+    return order[:n], order[n:]
 
 
 def sampling_seed(seed: int, step: int, prompt_index: int, n: int) -> int:
@@ -293,7 +293,7 @@ def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, 
     held, kept, correct = {}, [], 0.0
     for rnd in range(args.max_sample_rounds if args.dynamic_sampling else 1):
         t0 = time.time()
-        batch_idx, order = next_prompts(order, len(train_rows), args, step)
+        batch_idx, order = next_prompts(order, len(train_rows), P, args.seed, step)
         first = rnd * P + rank * n
         rollouts = rollout(llm, [train_rows[i] for i in batch_idx[rank * n : (rank + 1) * n]], args, step, first)
         timer["rollout"] = timer.get("rollout", 0.0) + time.time() - t0
@@ -343,11 +343,10 @@ def deal_groups(held: dict[int, list[dict]], kept: list[int], target: int, minib
 # 2. Reward: rule-based and verifiable (rewards.py), DAPO's soft overlong penalty on top.
 
 
-def overlong_penalty(length: int, args) -> float:
+def overlong_penalty(length: int, max_len: int, buffer: int, alpha: float) -> float:
     """DAPO's soft overlong punishment: 0 up to L_max - L_buf tokens, then falling linearly to -alpha at
-    L_max = --max-response-len (L_buf: --overlong-buffer, alpha: --overlong-penalty)."""
-    buffer = args.overlong_buffer
-    return -args.overlong_penalty * max(0, length - (args.max_response_len - buffer)) / buffer if buffer else 0.0
+    L_max (--max-response-len; L_buf: --overlong-buffer, 0: off; alpha: --overlong-penalty)."""
+    return -alpha * max(0, length - (max_len - buffer)) / buffer if buffer else 0.0
 
 
 def score(rollouts: list[dict], args, stats: dict) -> None:
@@ -358,7 +357,8 @@ def score(rollouts: list[dict], args, stats: dict) -> None:
                              [r["row"]["kind"] for r in rollouts], args.reward_workers, stats=stats,
                              code_partial=args.code_reward == "fraction")
     for r, s in zip(rollouts, scores):
-        r["score"], r["reward"] = s, s + overlong_penalty(r["length"], args)
+        r["score"], r["reward"] = s, s + overlong_penalty(r["length"], args.max_response_len, args.overlong_buffer,
+                                                          args.overlong_penalty)
 
 
 # -----------------------------------------------------------------------------

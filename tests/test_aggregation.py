@@ -216,16 +216,12 @@ def test_sapo_gate_by_hand():
 
 
 def test_overlong_penalty_by_hand():
-    from types import SimpleNamespace
-
     from train_grpo import overlong_penalty
 
-    args = SimpleNamespace(max_response_len=20, overlong_buffer=5, overlong_penalty=1.0)
-    assert [overlong_penalty(n, args) for n in (10, 15, 16, 18, 20)] == [0, 0, -0.2, -0.6, -1.0]
-    args.overlong_penalty = 0.5
-    assert overlong_penalty(20, args) == -0.5
-    args.overlong_buffer = 0
-    assert overlong_penalty(20, args) == 0
+    # L_max 20, a buffer of 5: 0 up to 15 tokens, then down to -alpha at 20
+    assert [overlong_penalty(n, 20, 5, 1.0) for n in (10, 15, 16, 18, 20)] == [0, 0, -0.2, -0.6, -1.0]
+    assert overlong_penalty(20, 20, 5, 0.5) == -0.5
+    assert overlong_penalty(20, 20, 0, 1.0) == 0  # no buffer: off
 
 
 def test_dealing_kept_groups_on_one_rank(monkeypatch):
