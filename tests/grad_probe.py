@@ -144,7 +144,11 @@ def main() -> None:
                         "evened": bool(train_grpo.all_reduce([tokens and len(own) != len(parts)], "max").item())}
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()
 
 
 if __name__ == "__main__":
     main()
+    # past the interpreter's teardown of the process group, which gloo can abort ("terminate called without
+    # an active exception"): every rank is past the last barrier and the results are on disk
+    train_grpo.exit_without_teardown()
