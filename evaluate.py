@@ -35,7 +35,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: one engine, not one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_run as R  # noqa: E402  (the trainer's plumbing: argument checks, checkpoint names)
 import train_grpo as T  # noqa: E402  (its environment preamble: engines in-process; and the sampling path)
-from grpo_run import is_hub_id  # noqa: E402
 from rewards import SCORING_VERSION  # noqa: E402
 
 PAPER_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
@@ -147,7 +146,7 @@ def check_checkpoint(path: str) -> None:
                     pass
             except Exception as e:  # safetensors' own error type
                 raise ValueError(f"{f}: damaged weights ({e})") from None
-    elif not is_hub_id(path):
+    elif not R.is_hub_id(path):
         raise ValueError(f"{path}: no such checkpoint directory")
 
 
@@ -589,9 +588,7 @@ def main(argv: list[str] | None = None) -> None:
             for kind in {r["kind"] for r in rows}:
                 render_prompt("", args.template, first, kind)
     except (ValueError, RuntimeError, OSError) as e:
-        from grpo_run import first_line
-
-        sys.exit(f"evaluate.py: error: {first_line(e)}")
+        sys.exit(f"evaluate.py: error: {R.first_line(e)}")
 
     per_run, results, pending = {}, {}, []  # results and pending by checkpoint
     for ckpts in jobs.values():

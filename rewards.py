@@ -383,7 +383,10 @@ def _private_tmpfs(mode: str, uid: int) -> Iterator[str | None]:
     if mode != "bwrap" or uid < 0 or _can_mount is False:
         yield None
         return
-    claim = _claim_dir(uid)
+    try:
+        claim = _claim_dir(str(uid), wait=CODE_TIMEOUT_S)
+    except OSError:
+        raise SandboxUnavailable(f"the sandbox directory {uid} is not given back") from None
     path = os.path.join(_TMPFS_ROOT, str(uid))
     os.makedirs(path, mode=0o700, exist_ok=True)
     _unmount(path)  # the directory is ours: whatever is mounted there is a dead scorer's
@@ -403,19 +406,20 @@ def _private_tmpfs(mode: str, uid: int) -> Iterator[str | None]:
         _start_unmounter()
 
 
-def _claim_dir(uid: int) -> socket.socket:
+def _claim_dir(name: str, wait: float = 0.0) -> socket.socket:
     """The directory's own claim (an abstract socket, as for uids), held from its mount to its unmount,
-    which outlasts the sandbox: a sandbox given the same uid meanwhile waits for it."""
+    which outlasts the sandbox: a sandbox given the same uid meanwhile waits for it, up to `wait` seconds
+    (OSError past them)."""
     claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    deadline = time.monotonic() + CODE_TIMEOUT_S
+    deadline = time.monotonic() + wait
     while True:
         try:
-            claim.bind(f"\0balanced-grpo-sandbox-dir-{uid}")
+            claim.bind(f"\0balanced-grpo-sandbox-dir-{name}")
             return claim
         except OSError:
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
                 claim.close()
-                raise SandboxUnavailable(f"the sandbox directory {uid} is not given back") from None
+                raise
             time.sleep(0.005)
 
 
@@ -466,21 +470,11 @@ def _sweep_tmpfs() -> None:
         return
     for name in os.listdir(_TMPFS_ROOT):
         try:
-            claim = _claim_dir_now(name)
+            claim = _claim_dir(name)
         except OSError:  # a live sandbox's, or one being unmounted
             continue
         _unmounts.put((os.path.join(_TMPFS_ROOT, name), claim))
     _unmount_queued(block=False)
-
-
-def _claim_dir_now(name: str) -> socket.socket:
-    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        claim.bind(f"\0balanced-grpo-sandbox-dir-{name}")
-    except OSError:
-        claim.close()
-        raise
-    return claim
 
 
 def _unshare_prefix() -> list[str]:
