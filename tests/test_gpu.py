@@ -116,6 +116,7 @@ def test_update_path_at_real_shapes(tmp_path):
         # the redone update lands where the first one did, up to kernel noise (attention's backward and atomics
         # are not deterministic: a max-abs criterion cannot hold), and a resume broken on purpose does not
         assert c["change"] > 0 and c["redo_rel"] <= c["tolerance"], c["redo_rel"]
+        assert set(c["faults"]) == {"moments", "step"}  # an empty dict would pass the line below unchecked
         assert all(v > c["tolerance"] for v in c["faults"].values()), c["faults"]
 
 
