@@ -31,6 +31,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 # the offline policies: evaluate on the held-out sums, sampled as in training
 LAB_EVAL = "--benchmarks demo-test --template plain --n 8 --temperature 1.0 --top-p 1.0 --max-tokens 48"
+# A rule's own trainer flags. Dr. GRPO (arXiv 2503.20783) is two changes: the constant normaliser
+# (--agg dr-grpo) and advantages not divided by the group's std; verl and TRL keep them as two
+# switches, as the trainer does, so the ablation's `dr-grpo` sets both.
+RULE_ARGS = {"dr-grpo": ["--no-std-norm"]}
+
+
+def code_commit() -> str:
+    """The commit of the code that trains a run ("+dirty" with uncommitted changes to tracked files)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+
+    sha = git("rev-parse", "HEAD")
+    return (sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) if sha else "unknown"
 
 
 def finished(run: Path) -> bool:
@@ -58,11 +71,14 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=None, help="ranks per run (default: GPUs, or 2 on the CPU)")
     p.add_argument("--out", default=None, help="default runs/ablation-MODEL")
     p.add_argument("--eval-args", default=None, help=f"evaluate.py's arguments (offline policies: {LAB_EVAL!r})")
+    p.add_argument("--no-eval", action="store_true", help="train only (compare_rules.py reads the training logs)")
     args = p.parse_args(argv)
     if "all" in args.aggs:
         args.aggs = train_grpo.AGGS
     if "--policy-loss" in train_extra:
         p.error("give policy losses with --losses, not to the trainer after --")
+    if "--no-std-norm" in train_extra:
+        p.error("--no-std-norm after -- would change every rule; the ablation's dr-grpo already sets it (Dr. GRPO)")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -91,7 +107,7 @@ def main() -> None:
             for seed in args.seeds:
                 trial = train_grpo.parse_args(["--model", args.model, "--agg", agg, "--policy-loss", loss, "--seed",
                                                str(seed), "--output-dir", str(out / "check"), "--eval-dataset", "",
-                                               *train_extra])
+                                               *RULE_ARGS.get(agg, []), *train_extra])
                 check_args(trial, nproc, train_grpo.POLICY_LOSS_DEFAULTS[loss], train_grpo.OFFLINE_DEFAULTS)
             train_grpo.deepspeed_config(trial, nproc)
         evaluate.parse_args(["--run", str(out), *eval_args])
@@ -108,10 +124,12 @@ def main() -> None:
                 print(f"[ablation] {run.name}: already trained", flush=True)
                 continue
             t0 = time.time()
+            with open(out / f"{run.name}.commit", "a") as f:  # the code of every launch (a resume may differ)
+                f.write(code_commit() + "\n")
             # the trainer's own held-out evaluation is left to evaluate.py (every checkpoint, all seeds)
             cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "train_grpo.py",
                    "--model", args.model, "--agg", agg, "--policy-loss", loss, "--seed", str(seed),
-                   "--output-dir", str(run), "--eval-dataset", "", *train_extra]
+                   "--output-dir", str(run), "--eval-dataset", "", *RULE_ARGS.get(agg, []), *train_extra]
             with open(out / f"{run.name}.log", "a") as log:
                 rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
             if rc != 0 or not finished(run):
@@ -120,6 +138,9 @@ def main() -> None:
                          f"its output is in {out / (run.name + '.log')}; rerun the same command to resume")
             print(f"[ablation] {run.name}: trained in {time.time() - t0:.0f} s", flush=True)
     t_train = time.time() - t_all
+    if args.no_eval:
+        print(f"[ablation] training {t_train:.0f} s; runs in {out}/ (compare_rules.py {out})")
+        return
 
     t0 = time.time()
     cmd = [sys.executable, "evaluate.py", "--run", *map(str, runs), "--plot", "--out", str(out), *eval_args]

@@ -159,7 +159,7 @@ def scale_free(metrics: dict, agg: str) -> float:
                                  "dr-grpo": metrics["length/mean"] / MAX_LEN}.get(agg, 1.0)
 
 
-def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path | None) -> None:
+def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path | None, per_seed: bool = False) -> None:
     """docs/workbench.md's side-by-side table: per rule (and policy loss), mean ± std over seeds, of the lab's
     coupling (loss/pg over steps 1-5, raw and scale-free), each task's mean length over steps 36-40,
     the controls' push (lengths shuffled, scale-free, mean over the run's checkpoints) and each task's
@@ -192,7 +192,7 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
         head += [f"{task}: length, steps 36-40", f"{task}: Acc@8 peak / last"]
         head += [f"{task}: clip fraction, steps 1-40"] if losses else []
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    curves = defaultdict(dict)
+    curves, seed_rows = defaultdict(dict), []
     for agg, loss in settings:
         cells = [agg if loss == "ppo" else f"{agg}, {loss}"]
         for task, by_setting in tasks.items():
@@ -201,9 +201,11 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
                 cells += ["-"] * ((3 if "nogap" in task else 4) + losses)
                 continue
             per_run = [steps(r) for r in runs]
+            seeds = [json.loads((r / "args.json").read_text())["seed"] for r in runs]
             if "nogap" not in task:
+                first = [sum(scale_free(m[s], agg) for s in range(1, 6)) / 5 for m in per_run]
                 cells.append(fmt([sum(m[s]["loss/pg"] for s in range(1, 6)) / 5 for m in per_run], 4, True))
-                cells.append(fmt([sum(scale_free(m[s], agg) for s in range(1, 6)) / 5 for m in per_run], 4, True))
+                cells.append(fmt(first, 4, True))
             else:
                 pushes = []
                 for run in runs:
@@ -211,8 +213,13 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
                     pushes.append(sum(1000 * shuffled_push(r, L, n, agg, draws=20) / loss_scale(r, L, n, agg)
                                       for r, L, n in samples) / len(samples))
                 cells.append(fmt(pushes, 2, True))
-            cells.append(fmt([sum(m[s]["length/mean"] for s in range(36, 41)) / 5 for m in per_run]))
+            late = [sum(m[s]["length/mean"] for s in range(36, 41)) / 5 for m in per_run]
+            cells.append(fmt(late))
             peaks_lasts = [acc(r) for r in runs]
+            for k, seed in enumerate(seeds):
+                signal = f"{first[k]:+.4f}" if "nogap" not in task else f"{pushes[k]:+.2f}"
+                seed_rows.append(f"| {task} | {cells[0]} | {seed} | {signal} | {late[k]:.1f} | "
+                                 f"{peaks_lasts[k][0]:.1f} / {peaks_lasts[k][1]:.1f} |")
             cells.append(f"{fmt([p for p, _ in peaks_lasts])} / {fmt([x for _, x in peaks_lasts])}")
             if losses:
                 cells.append(fmt([sum(m[s]["loss/clip_frac"] for s in m if s > 0) / (len(m) - (0 in m))
@@ -221,6 +228,11 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
                 curves[(task, key)][(agg, loss)] = [[scale_free(m[s], agg) if key == "loss/pg" else m[s][key]
                                                      for s in sorted(m)] for m in per_run]
         print("| " + " | ".join(cells) + " |")
+    if per_seed:
+        print("\nPer seed: the lab's scale-free pg loss over steps 1-5 (a control's push x1000), the mean length over "
+              f"steps 36-40, Acc@{eval_args.n} at the peak / last checkpoint\n")
+        print("| task | rule | seed | pg loss or push | length | Acc peak / last |\n|---|---|---|---|---|---|")
+        print("\n".join(seed_rows))
     if figure is not None:
         plot_summary(curves, list(tasks), figure)
 
@@ -266,6 +278,7 @@ def main() -> None:
     p.add_argument("--predict", action="store_true", help="every rule's coupling and push on the policy's samples")
     p.add_argument("--summary", nargs="+", help="ablation directories: docs/workbench.md's side-by-side table")
     p.add_argument("--figure", help="with --summary: write its figure here (.png)")
+    p.add_argument("--per-seed", action="store_true", help="with --summary: every run's values too")
     p.add_argument("--eval-args", default=LAB_EVAL, help="evaluate.py settings the samples were cached with")
     args = p.parse_args()
     if sum(x is not None for x in (args.ablation, args.model, args.summary)) != 1:
@@ -328,7 +341,7 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
     import evaluate
 
     if args.summary:
-        summary([Path(a) for a in args.summary], ev, Path(args.figure) if args.figure else None)
+        summary([Path(a) for a in args.summary], ev, Path(args.figure) if args.figure else None, args.per_seed)
         return
     if args.model and args.predict:
         from data.demo import model_dir

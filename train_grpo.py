@@ -98,7 +98,8 @@ DEMO_DEFAULTS = dict(
 LAB_DEFAULTS = {**DEMO_DEFAULTS, "max_response_len": 48, "save_interval": 10, "output_dir": None}
 
 
-OFFLINE_DEFAULTS = {"demo": DEMO_DEFAULTS, "lab": LAB_DEFAULTS, "lab-nogap": LAB_DEFAULTS, "lab-nogap-hi": LAB_DEFAULTS}
+OFFLINE_DEFAULTS = {"demo": DEMO_DEFAULTS, **{t: LAB_DEFAULTS for t in ("lab", "lab-nogap", "lab-nogap-hi", "lab-check",
+                                                                        "lab-check-nogap")}}
 
 
 # the aggregation rules (aggregation_weights) and each policy loss's published defaults (policy_loss_per_token),

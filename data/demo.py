@@ -16,6 +16,13 @@ rewards.py's math reward like any real task. They differ in how they answer:
   lab-nogap-hi  the same control, warmed up further (from lab-nogap) on targets that are right
               with probability 0.95 instead of 0.3, with the same length distribution: the control
               above 50% accuracy (docs/lab.md, "Is balanced aggregation length-neutral?").
+  lab-check   a task where the coupling can cost accuracy (docs/lab.md, "When the coupling costs
+              accuracy"): a right answer needs exactly one " check" step, " check \\boxed{c}"; the
+              failures either skip it, " \\boxed{c±1}" (short), or loop on it, " check check ...
+              \\boxed{a}" (2 to 26 checks, long). The token that long failures repeat is one that
+              every success needs. Warm-up: check first 60%, then answer (right) or loop, 50/50.
+  lab-check-nogap  its control: the same decisions and answers, but a loop is two checks, so
+              failures are no longer than successes (no sign-length coupling).
 
 The warm-up is deliberately imperfect: supervised targets are the right sum only with
 probability `P_CORRECT[task]`, otherwise wrong (off by one in the demo, the first operand in the lab).
@@ -49,15 +56,21 @@ import torch
 
 from data.templates import render_prompt
 
-TASKS = ("demo", "lab", "lab-nogap", "lab-nogap-hi")
+TASKS = ("demo", "lab", "lab-nogap", "lab-nogap-hi", "lab-check", "lab-check-nogap")
 SHIPPED = Path(__file__).resolve().parent / "offline"
 ROOT = Path(os.environ.get("GRPO_DEMO_DIR", Path(__file__).resolve().parent.parent / ".cache" / "offline"))
 MAX_OPERAND = 49
 P_CORRECT = {"demo": 0.3, "lab": 0.3, "lab-nogap": 0.3, "lab-nogap-hi": 0.95}
+P_CHECK, P_STOP = 0.6, 0.5  # lab-check(-nogap): check first, then answer (right) or loop; right 0.3
+CHECK_LOOP = {"lab-check": (2, 26), "lab-check-nogap": (2, 2)}  # the checks a loop makes
 P_SHORT = 0.3  # the share of short rambles (lab: the right answers; the controls: an independent draw)
 RAMBLE_SHORT, RAMBLE_LONG = (1, 10), (6, 30)  # k ramble tokens before the answer (lab)
-SFT_STEPS, SFT_BATCH, SFT_LR = {"demo": 1500, "lab": 400, "lab-nogap": 1500, "lab-nogap-hi": 2000}, 128, 2e-3
-WARM_START = {"lab": "demo", "lab-nogap-hi": "lab-nogap"}  # built on a shipped policy (its tokenizer too)
+SFT_STEPS = {"demo": 1500, "lab": 400, "lab-nogap": 1500, "lab-nogap-hi": 2000, "lab-check": 600,
+             "lab-check-nogap": 600}
+SFT_BATCH, SFT_LR = 128, 2e-3
+WARM_START = {"lab": "demo", "lab-nogap-hi": "lab-nogap", "lab-check": "demo", "lab-check-nogap": "demo"}
+# built on a shipped policy (its tokenizer too), with these words added to its vocabulary
+NEW_WORDS = {"lab": (" so", " wait"), "lab-check": (" check",), "lab-check-nogap": (" check",)}
 SEED = 1234
 
 
@@ -83,6 +96,14 @@ def sft_response(task: str, a: int, b: int, rng: random.Random) -> str:
     k tokens, " so" with a right answer and " wait" with a wrong one (the first token commits, as
     in long chain-of-thought), for a length that depends on correctness (lab: short when right,
     long when wrong) or not (the lab-nogap controls)."""
+    if task.startswith("lab-check"):
+        # The decisions are the policy's: check first or guess; after one check, answer or loop. Right
+        # only by checking exactly once; a loop ends in the first operand (as the lab's failures).
+        if rng.random() >= P_CHECK:
+            return f" \\boxed{{{a + b + rng.choice((-1, 1))}}}"
+        if rng.random() < P_STOP:
+            return f" check \\boxed{{{a + b}}}"
+        return " check" * rng.randint(*CHECK_LOOP[task]) + f" \\boxed{{{a}}}"
     right = rng.random() < P_CORRECT[task]
     if task == "demo":
         return f" \\boxed{{{a + b if right else a + b + rng.choice((-1, 1))}}}"
@@ -150,8 +171,8 @@ def build(task: str, out: Path) -> None:
         ))
     else:
         tokenizer = AutoTokenizer.from_pretrained(SHIPPED / WARM_START[task])
-        if task == "lab":
-            tokenizer.add_tokens([AddedToken(w, normalized=False) for w in (" so", " wait")])  # unused embedding rows
+        if task in NEW_WORDS:
+            tokenizer.add_tokens([AddedToken(w, normalized=False) for w in NEW_WORDS[task]])  # unused embedding rows
         model = AutoModelForCausalLM.from_pretrained(SHIPPED / WARM_START[task], dtype=torch.float32)
     eos = tokenizer.eos_token_id
     prompt_ids = {ab: tokenizer(p)["input_ids"] for ab, p in prompt.items()}

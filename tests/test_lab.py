@@ -36,6 +36,32 @@ def test_warm_up_targets_couple_length_to_correctness_only_in_the_lab(task):
     assert demo.sft_response("demo", 3, 4, random.Random(0)) in (" \\boxed{7}", " \\boxed{6}", " \\boxed{8}")
 
 
+@pytest.mark.parametrize("task", ["lab-check", "lab-check-nogap"])
+def test_check_targets_are_right_only_after_exactly_one_check(task):
+    """lab-check: a right answer needs the one " check" the long failures repeat; its control makes a
+    loop two checks, so failures are no longer than successes."""
+    rng = random.Random(0)
+    kinds, lengths = {"right": 0, "guess": 0, "loop": 0}, {"right": [], "wrong": []}
+    for _ in range(4000):
+        a, b = rng.randrange(50), rng.randrange(1, 50)
+        text = demo.sft_response(task, a, b, rng)
+        checks = text.count(" check")
+        if checks == 0:
+            assert text in (f" \\boxed{{{a + b - 1}}}", f" \\boxed{{{a + b + 1}}}")
+            kinds["guess"] += 1
+        elif checks == 1:
+            assert text == f" check \\boxed{{{a + b}}}"
+            kinds["right"] += 1
+        else:
+            assert text == " check" * checks + f" \\boxed{{{a}}}" and checks <= (26 if task == "lab-check" else 2)
+            kinds["loop"] += 1
+        lengths["right" if checks == 1 else "wrong"].append(checks)
+    assert kinds["right"] / 4000 == pytest.approx(0.3, abs=0.03)
+    assert kinds["guess"] / 4000 == pytest.approx(0.4, abs=0.03)
+    gap = sum(lengths["wrong"]) / len(lengths["wrong"]) - 1  # in check tokens; the answers differ by <= 1 token
+    assert gap > 4 if task == "lab-check" else abs(gap) < 0.5  # lab-check: (0.4 x 0 + 0.3 x 14) / 0.7 - 1 = 5
+
+
 def test_build_writes_a_policy_that_loads_with_single_token_rambles(tmp_path, monkeypatch):
     """`python -m data.demo lab --build` (a few warm-up steps here): a checkpoint transformers loads,
     whose tokenizer spells a lab response back exactly, one token per ramble word."""

@@ -1,0 +1,355 @@
+"""Does the aggregation rule change what is learned? A prediction from the formulas, then paired seeds
+and a test declared before the runs (docs/lab.md, "When the coupling costs accuracy").
+
+    python compare_rules.py --predict lab-check          # before any run: each rule's first-step gain
+    python compare_rules.py runs/compare-lab-check       # after: the paired comparison, per seed
+
+The prediction. On the initial policy, sample steps of 32 prompts x G=8 (the lab's), weigh them by
+each rule (train_grpo.aggregation_weights; on-policy every policy loss's token term has the gradient
+-A grad log pi), clip the gradient at 1.0 and take Adam's first step (lr 2e-4: lr g / (|g| + eps),
+as the trainer's first update), and measure the exact change of J, the probability of a right answer
+on the 200 held-out prompts (summed over the task's right responses). The mean over steps is the rule's
+expected first-step gain: which rules learn faster, and by how much, before training moves the policy.
+
+The comparison. Every rule runs with the same seeds; a seed fixes the prompts of every step and the
+sampling of step 1, so step 1's rollouts are the same across rules (checked: step 1's accuracy and mean
+length must agree). The measure, declared before the runs: the area under the training-accuracy
+curve, the mean of `reward/accuracy` over steps 1..T (the run's --steps). Per seed s and rule a,
+d_s = M(a, s) - M(reference, s); a two-sided paired t-test on the d_s (n - 1 degrees of freedom), with
+Holm's correction over the rules compared with the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+# The comparison's rules: the paper's three, the peer trainers' two token means and Dr. GRPO (its
+# normaliser with unscaled advantages, ablation.RULE_ARGS). seq-sum is dr-grpo x L_max / L-bar.
+RULES = ["seq", "token", "token-batch", "balanced", "balanced-batch", "dr-grpo"]
+REFERENCE = "balanced"  # the paper's rule: every other rule is tested against it
+GROUP, PROMPTS, LR, CLIP, ADAM_EPS, MAX_LEN = 8, 32, 2e-4, 1.0, 1e-8, 48  # the lab's settings
+
+
+# -----------------------------------------------------------------------------
+# The prediction
+
+
+def right_responses(task: str, a: int, b: int) -> list[str]:
+    """Every right response a lab-check policy gives with non-negligible probability: the sum after
+    any number of checks (only one check is taught)."""
+    if not task.startswith("lab-check"):
+        raise ValueError(f"--predict knows the right responses of the lab-check tasks, not {task!r}")
+    return [" check" * k + f" \\boxed{{{a + b}}}" for k in range(27)]
+
+
+def success_probability(model, tok, task: str, pairs: list[tuple[int, int]]) -> dict[str, float]:
+    """J: the probability of a right answer, mean over the prompts (exact over right_responses); and
+    the two decisions: check first, and answer after one check."""
+    from data.templates import render_prompt
+
+    eos, texts, spans = tok.eos_token_id, [], []
+    for a, b in pairs:
+        p = tok(render_prompt(f"What is {a}+{b}?", "plain"))["input_ids"]
+        for r in right_responses(task, a, b):
+            texts.append(p + tok(r, add_special_tokens=False)["input_ids"] + [eos])
+            spans.append(len(p))
+    logp = []
+    with torch.no_grad():
+        for i in range(0, len(texts), 512):
+            chunk = texts[i : i + 512]
+            width = max(map(len, chunk))
+            ids = torch.tensor([t + [eos] * (width - len(t)) for t in chunk])
+            mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in chunk])
+            lp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].double(), -1)
+            logp += list(lp.gather(-1, ids[:, 1:, None])[..., 0])
+    per = len(right_responses(task, 0, 0))
+    J = check = stop = 0.0
+    for k, (t, start) in enumerate(zip(texts, spans)):
+        tokens = logp[k][start - 1 : len(t) - 1]  # the response's tokens, EOS included
+        J += float(tokens.sum().exp())
+        if k % per == 1:  # " check \boxed{c}": the first token, and the answer after one check
+            check += float(tokens[0].exp())
+            stop += float(tokens[1].exp())
+    n = len(pairs)
+    return {"J": J / n, "check_first": check / n, "answer_after_check": stop / n}
+
+
+def sample_step(model, tok, pairs: list[tuple[int, int]], gen: torch.Generator) -> tuple[list, torch.Tensor]:
+    """One rollout step of the initial policy: G responses per prompt at temperature 1, as
+    (prompt + response token ids, prompt length) and the 0/1 math rewards."""
+    from data.templates import render_prompt
+    from rewards import math_reward
+
+    tok.padding_side = "left"
+    prompts = [render_prompt(f"What is {a}+{b}?", "plain") for a, b in pairs]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=MAX_LEN,
+                             num_return_sequences=GROUP, pad_token_id=tok.eos_token_id)
+    seqs, rewards = [], []
+    for j, row in enumerate(out):
+        a, b = pairs[j // GROUP]
+        prompt = enc["input_ids"][j // GROUP][enc["attention_mask"][j // GROUP].bool()].tolist()
+        resp = row[enc["input_ids"].shape[1] :].tolist()
+        n = resp.index(tok.eos_token_id) + 1 if tok.eos_token_id in resp else len(resp)  # EOS counted
+        seqs.append((prompt + resp[:n], len(prompt)))
+        rewards.append(math_reward(tok.decode(resp[:n], skip_special_tokens=True), str(a + b)))
+    return seqs, torch.tensor(rewards, dtype=torch.float64)
+
+
+def first_step(model, seqs: list, rewards: torch.Tensor, agg: str) -> dict[str, torch.Tensor]:
+    """Adam's first update for `agg` on one step's rollouts: lr g / (|g| + eps), g the gradient of
+    sum_i w_i sum_t (-A_i log pi(y_it)), clipped at norm 1 (the trainer's ds_config)."""
+    from train_grpo import aggregation_weights, group_advantages
+
+    adv = group_advantages(rewards, GROUP, scale_by_std=agg != "dr-grpo")  # Dr. GRPO: A = r - mean
+    lengths = torch.tensor([len(s) - p for s, p in seqs])
+    w = aggregation_weights(adv, lengths, GROUP, agg, max_len=MAX_LEN)
+    model.zero_grad(set_to_none=True)
+    eos = model.config.eos_token_id
+    width = max(len(s) for s, _ in seqs)
+    ids = torch.tensor([s + [eos] * (width - len(s)) for s, _ in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s, _ in seqs])
+    lp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+    lp = lp.gather(-1, ids[:, 1:, None])[..., 0]
+    pos = torch.arange(width - 1)[None]
+    first, end = torch.tensor([p - 1 for _, p in seqs])[:, None], torch.tensor([len(s) - 1 for s, _ in seqs])[:, None]
+    resp = (pos >= first) & (pos < end)  # the positions whose next token is a response token
+    coef = (w * adv).float()[:, None]
+    (-(coef * lp * resp).sum()).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
+    scale = min(1.0, CLIP / (float(norm) + 1e-6))
+    return {n: LR * g * scale / (g.abs() * scale + ADAM_EPS) for n, g in grads.items()}
+
+
+def predict(task: str, steps: int, seed: int = 0) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data.demo import model_dir, split_pairs
+
+    path = model_dir(task)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    train_pairs, test_pairs = split_pairs()
+    base = success_probability(model, tok, task, test_pairs)
+    gen = torch.Generator().manual_seed(seed)
+    rollouts = []
+    for _ in range(steps):
+        idx = torch.randperm(len(train_pairs), generator=gen)[:PROMPTS].tolist()
+        rollouts.append(sample_step(model, tok, [train_pairs[i] for i in idx], gen))
+    acc = float(torch.cat([r for _, r in rollouts]).mean())
+    lengths = [len(s) - p for seqs, _ in rollouts for s, p in seqs]
+    print(f"{task}: J {base['J']:.4f} (right answers, held-out prompts), check first {base['check_first']:.3f}, "
+          f"answer after one check {base['answer_after_check']:.3f}; {steps} steps sampled: accuracy {acc:.3f}, "
+          f"mean length {sum(lengths) / len(lengths):.1f}\n")
+    print("| rule | first-step gain in J x1000 (mean ± s.e. over steps) | check first x1000 | answer after one "
+          "check x1000 | relative to balanced |\n|---|---|---|---|---|")
+    params = dict(model.named_parameters())
+    rows = {}
+    for agg in RULES:
+        gains = []
+        for seqs, rewards in rollouts:
+            if rewards.min() == rewards.max():
+                continue
+            update = first_step(model, seqs, rewards, agg)
+            with torch.no_grad():
+                for n, u in update.items():
+                    params[n].sub_(u)
+                after = success_probability(model, tok, task, test_pairs)
+                for n, u in update.items():
+                    params[n].add_(u)
+            gains.append({k: 1000 * (after[k] - base[k]) for k in base})
+        rows[agg] = gains
+    ref = sum(g["J"] for g in rows[REFERENCE]) / len(rows[REFERENCE])
+    for agg, gains in rows.items():
+        m = {k: sum(g[k] for g in gains) / len(gains) for k in base}
+        se = (sum((g["J"] - m["J"]) ** 2 for g in gains) / max(1, len(gains) - 1) / len(gains)) ** 0.5
+        print(f"| {agg} | {m['J']:+.2f} ± {se:.2f} | {m['check_first']:+.2f} | {m['answer_after_check']:+.2f} | "
+              f"{m['J'] / ref:.2f} |")
+
+
+# -----------------------------------------------------------------------------
+# The comparison
+
+
+def t_test(d: list[float]) -> tuple[float, float]:
+    """(t, two-sided p) of a paired t-test on the differences d (n - 1 degrees of freedom)."""
+    import mpmath  # a dependency of torch (through sympy)
+
+    n = len(d)
+    mean = sum(d) / n
+    sd = (sum((x - mean) ** 2 for x in d) / (n - 1)) ** 0.5
+    if sd <= 1e-12 * max(1.0, abs(mean)):  # equal differences (up to rounding): no spread to test against
+        return (math.inf if mean else 0.0), (0.0 if mean else 1.0)
+    t, df = mean / (sd / n**0.5), n - 1
+    return t, float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
+
+
+def holm(ps: list[float]) -> list[float]:
+    """Holm's step-down adjustment of p-values (family-wise error over the comparisons)."""
+    order = sorted(range(len(ps)), key=ps.__getitem__)
+    out, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+def run_table(runs_dir: Path) -> dict[str, dict[int, Path]]:
+    """The directory's runs as {rule: {seed: run}}; one line if it holds none of the comparison's."""
+    from grpo_run import first_line
+
+    out: dict[str, dict[int, Path]] = {}
+    if not runs_dir.is_dir():
+        raise ValueError(f"{runs_dir}: no such directory (give an ablation.py --out directory)")
+    for run in sorted(runs_dir.iterdir()):
+        try:
+            a = json.loads((run / "args.json").read_text())
+        except (OSError, ValueError) as e:
+            if (run / "args.json").exists():
+                raise ValueError(f"{run / 'args.json'}: {first_line(e)}") from None
+            continue
+        if a.get("policy_loss", "ppo") == "ppo" and a.get("agg") in RULES:
+            out.setdefault(a["agg"], {})[a["seed"]] = run
+    if not out:
+        raise ValueError(f"{runs_dir}: no runs of {', '.join(RULES)} in it (ablation.py --aggs ... --out {runs_dir})")
+    return out
+
+
+def training_curve(run: Path) -> dict[int, dict]:
+    from grpo_run import logged_lines
+
+    rows = {step: json.loads(line) for step, line in logged_lines(run / "metrics.jsonl")}
+    return {s: m for s, m in rows.items() if "reward/accuracy" in m}
+
+
+def compare(runs_dir: Path) -> str:
+    """The paired comparison as markdown: per seed and rule the declared measure (AUC, the mean training
+    accuracy over steps 1..T), the late accuracy (steps T-4..T), and the tests against REFERENCE."""
+    table = run_table(runs_dir)
+    rules = [r for r in RULES if r in table]
+    seeds = sorted(set.intersection(*(set(v) for v in table.values())))
+    if len(seeds) < 2:
+        raise ValueError(f"{runs_dir}: fewer than 2 seeds shared by every rule ({', '.join(rules)}); "
+                         "a paired test needs at least 2")
+    curves = {(a, s): training_curve(table[a][s]) for a in rules for s in seeds}
+    planned = {json.loads((table[a][s] / "args.json").read_text()).get("steps") for a in rules for s in seeds}
+    if len(planned) != 1:
+        raise ValueError(f"{runs_dir}: the runs differ in --steps ({sorted(map(str, planned))}); "
+                         "compare runs of one length")
+    T = planned.pop()
+    for (a, s), c in curves.items():
+        missing = [k for k in range(1, T + 1) if k not in c]
+        if missing:
+            raise ValueError(f"{table[a][s]}: no training step {missing[0]} in metrics.jsonl; finish the run "
+                             "(the same ablation.py command resumes it)")
+    for s in seeds:  # paired: a seed's first rollouts are the same under every rule
+        first = {(round(curves[(a, s)][1]["reward/accuracy"], 6), round(curves[(a, s)][1]["length/mean"], 4))
+                 for a in rules}
+        if len(first) != 1:
+            raise ValueError(f"seed {s}: step 1's rollouts differ across rules ({sorted(first)}); the runs are "
+                             "not paired (the same --seed and settings but the rule)")
+    auc = {k: 100 * sum(c[t]["reward/accuracy"] for t in range(1, T + 1)) / T for k, c in curves.items()}
+    late = {k: 100 * sum(c[t]["reward/accuracy"] for t in range(T - 4, T + 1)) / 5 for k, c in curves.items()}
+    length = {k: sum(c[t]["length/mean"] for t in range(T - 4, T + 1)) / 5 for k, c in curves.items()}
+    gap = {k: sum(c[t]["length/pos_neg_gap"] for t in range(1, 6)) / 5 for k, c in curves.items()}
+
+    def ms(xs: list[float], digits: int = 1) -> str:
+        m = sum(xs) / len(xs)
+        sd = (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
+        return f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+    lines = [f"{runs_dir.name}: {len(seeds)} paired seeds ({', '.join(map(str, seeds))}), {T} steps; AUC = mean "
+             f"training accuracy over steps 1-{T} (%), the declared measure; late = steps {T - 4}-{T}\n",
+             "| rule | " + " | ".join(f"AUC s{s}" for s in seeds) + " | AUC | late accuracy | length, late | "
+             "neg-pos gap, steps 1-5 |", "|---|" + "---|" * (len(seeds) + 4)]
+    for a in rules:
+        lines.append(f"| {a} | " + " | ".join(f"{auc[(a, s)]:.1f}" for s in seeds)
+                     + f" | {ms([auc[(a, s)] for s in seeds])} | "
+                     f"{ms([late[(a, s)] for s in seeds])} | {ms([length[(a, s)] for s in seeds])} | "
+                     f"{ms([gap[(a, s)] for s in seeds])} |")
+    others = [a for a in rules if a != REFERENCE]
+    if REFERENCE in rules and others:
+        tests = [t_test([auc[(a, s)] - auc[(REFERENCE, s)] for s in seeds]) for a in others]
+        adjusted = holm([p for _, p in tests])
+        lines += ["", f"Paired against {REFERENCE} (d = AUC(rule) - AUC({REFERENCE}) per seed; two-sided paired "
+                  f"t-test, {len(seeds) - 1} degrees of freedom; Holm over the {len(others)} rules)\n",
+                  "| rule | d per seed | mean d | t | p | p (Holm) |", "|---|---|---|---|---|---|"]
+        for a, (t, p), ph in zip(others, tests, adjusted):
+            d = [auc[(a, s)] - auc[(REFERENCE, s)] for s in seeds]
+            lines.append(f"| {a} | {' '.join(f'{x:+.1f}' for x in d)} | {sum(d) / len(d):+.2f} | {t:+.2f} | "
+                         f"{p:.3f} | {ph:.3f} |")
+    model = json.loads((table[rules[0]][seeds[0]] / "args.json").read_text()).get("model", "")
+    if str(model).startswith("lab-check"):
+        lines += ["", mechanism(table, rules, seeds, model)]
+    # The evaluation's own noise: a step's accuracy is a mean of 0/1 rewards over its responses (binomial).
+    n = curves[(rules[0], seeds[0])][1].get("sample/groups", 32) * 8
+    p0 = sum(late.values()) / len(late) / 100
+    lines += ["", f"Noise of one step's accuracy (binomial, {n} responses at {100 * p0:.0f}%): ± "
+              f"{100 * (p0 * (1 - p0) / n) ** 0.5:.1f} points; of an AUC over {T} steps, if the steps were "
+              f"independent: ± {100 * (p0 * (1 - p0) / n / T) ** 0.5:.2f}."]
+    return "\n".join(lines)
+
+
+def mechanism(table: dict, rules: list[str], seeds: list[int], task: str) -> str:
+    """J and the two decisions at every checkpoint, exact on the held-out prompts (success_probability):
+    what each rule did to the check that successes need (mean ± std over seeds)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data.demo import split_pairs
+    from evaluate import run_checkpoints
+
+    _, test_pairs = split_pairs()
+    values: dict[tuple[str, int], list[dict]] = {}
+    for a in rules:
+        for s in seeds:
+            for step, ckpt in run_checkpoints(str(table[a][s])):
+                tok = AutoTokenizer.from_pretrained(ckpt)
+                model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+                values.setdefault((a, step), []).append(success_probability(model, tok, task, test_pairs))
+    steps = sorted({step for _, step in values})
+    out = ["Held-out J (exact probability of a right answer, %) / check first / answer after one check, at each "
+           "checkpoint (mean ± std over seeds)\n", "| rule | " + " | ".join(f"step {s}" for s in steps) + " |",
+           "|---|" + "---|" * len(steps)]
+    for a in rules:
+        cells = []
+        for step in steps:
+            v = values.get((a, step), [])
+            m = {k: sum(x[k] for x in v) / len(v) for k in ("J", "check_first", "answer_after_check")}
+            sd = (sum((x["J"] - m["J"]) ** 2 for x in v) / max(1, len(v) - 1)) ** 0.5
+            cells.append(f"{100 * m['J']:.1f} ± {100 * sd:.1f} / {m['check_first']:.2f} / "
+                         f"{m['answer_after_check']:.2f}")
+        out.append(f"| {a} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="?", help="an ablation.py --out directory of the comparison's runs")
+    p.add_argument("--predict", metavar="TASK", help="the first-step prediction on an offline lab-check policy")
+    p.add_argument("--steps", type=int, default=24, help="with --predict: rollout steps sampled")
+    args = p.parse_args()
+    if (args.runs is None) == (args.predict is None):
+        p.error("give a runs directory or --predict TASK")
+    try:
+        if args.predict:
+            predict(args.predict, args.steps)
+        else:
+            print(compare(Path(args.runs)))
+    except ValueError as e:
+        sys.exit(f"compare_rules.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

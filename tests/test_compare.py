@@ -1,0 +1,84 @@
+"""compare_rules.py: the paired test, the declared measure and the pairing check, on runs written the
+way the trainer writes them (args.json, metrics.jsonl); the prediction on the shipped lab-check policy."""
+
+import json
+import math
+
+import pytest
+
+import compare_rules as C
+
+
+def t_sf_numeric(t: float, df: int) -> float:
+    """Two-sided p of Student's t by Simpson's rule on the density: an independent reference."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    f = lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
+    n, a = 20000, abs(t)
+    h = a / n
+    inner = f(0) + f(a) + sum((4 if k % 2 else 2) * f(k * h) for k in range(1, n))
+    return 1 - 2 * inner * h / 3
+
+
+@pytest.mark.parametrize("d", [[1, 2, 3, 4, 5], [0.4, -0.2, 1.1, 0.3, 0.9], [-3.0, -2.5, -4.1]])
+def test_paired_t_test_matches_the_t_distribution(d):
+    t, p = C.t_test(d)
+    n, m = len(d), sum(d) / len(d)
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1))
+    assert t == pytest.approx(m / (sd / math.sqrt(n)))
+    assert p == pytest.approx(t_sf_numeric(t, n - 1), abs=1e-6)
+    assert C.t_test([1.0, 1.0, 1.0]) == (math.inf, 0.0) and C.t_test([0.0, 0.0]) == (0.0, 1.0)
+
+
+def test_holm_steps_down_and_stays_monotone():
+    assert C.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert C.holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
+
+
+def write_run(root, agg, seed, acc, first=(0.25, 20.0), steps=None):
+    run = root / f"lab-check-{agg}-s{seed}"
+    run.mkdir(parents=True)
+    (run / "args.json").write_text(json.dumps({"agg": agg, "seed": seed, "policy_loss": "ppo", "model": "lab",
+                                               "steps": steps or len(acc)}))
+    rows = [{"step": 0, "eval/acc": 0.1}]
+    for step, a in enumerate(acc, 1):
+        a, length = first if step == 1 else (a, 15.0)
+        rows.append({"step": step, "reward/accuracy": a, "length/mean": length, "length/pos_neg_gap": 5.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_compare_reports_the_declared_auc_per_seed_and_the_paired_test(tmp_path):
+    curves = {("balanced", 1): [0, 0.5, 0.6, 0.7, 0.8, 0.8], ("balanced", 2): [0, 0.4, 0.6, 0.6, 0.7, 0.8],
+              ("token", 1): [0, 0.4, 0.5, 0.6, 0.7, 0.7], ("token", 2): [0, 0.4, 0.45, 0.5, 0.6, 0.7]}
+    for (agg, seed), acc in curves.items():
+        write_run(tmp_path, agg, seed, acc)
+    out = C.compare(tmp_path)
+    auc = {k: 100 * (0.25 + sum(v[1:])) / 6 for k, v in curves.items()}  # step 1 is the shared first rollout
+    row = next(x for x in out.splitlines() if x.startswith("| token |"))
+    assert f"{auc[('token', 1)]:.1f} | {auc[('token', 2)]:.1f}" in row
+    d = [auc[("token", s)] - auc[("balanced", s)] for s in (1, 2)]
+    t, p = C.t_test(d)
+    test_row = next(x for x in out.splitlines() if x.startswith("| token |") and "t-test" not in x and x != row)
+    assert f"{sum(d) / 2:+.2f} | {t:+.2f} | {p:.3f}" in test_row
+
+
+def test_compare_refuses_runs_that_are_not_paired_or_not_finished(tmp_path):
+    write_run(tmp_path, "balanced", 1, [0, 0.5, 0.6])
+    write_run(tmp_path, "balanced", 2, [0, 0.5, 0.6])
+    write_run(tmp_path, "token", 1, [0, 0.5, 0.6])
+    write_run(tmp_path, "token", 2, [0, 0.5, 0.6], first=(0.30, 20.0))
+    with pytest.raises(ValueError, match="seed 2: step 1's rollouts differ across rules"):
+        C.compare(tmp_path)
+    single = tmp_path / "single"
+    write_run(single, "balanced", 1, [0, 0.5])
+    write_run(single, "token", 1, [0, 0.5])
+    with pytest.raises(ValueError, match="fewer than 2 seeds"):
+        C.compare(single)
+    unfinished = tmp_path / "unfinished"
+    for seed in (1, 2):
+        write_run(unfinished, "balanced", seed, [0, 0.5, 0.6, 0.7])
+        write_run(unfinished, "token", seed, [0, 0.5, 0.6, 0.7][: 3 if seed == 2 else 4], steps=4)
+    with pytest.raises(ValueError, match="token-s2: no training step 4 .*the same ablation.py command resumes"):
+        C.compare(unfinished)
+    with pytest.raises(ValueError, match="no such directory"):
+        C.compare(tmp_path / "nope")
