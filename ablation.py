@@ -46,6 +46,12 @@ def code_commit() -> str:
     return (sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) if sha else "unknown"
 
 
+def train_args(model: str, agg: str, loss: str, seed: int, run: Path, extra: list[str]) -> list[str]:
+    """One run's trainer arguments: the setting, the rule's own flags (RULE_ARGS), then the user's."""
+    return ["--model", model, "--agg", agg, "--policy-loss", loss, "--seed", str(seed), "--output-dir", str(run),
+            "--eval-dataset", "", *RULE_ARGS.get(agg, []), *extra]
+
+
 def finished(run: Path) -> bool:
     """The run's last checkpoint is its final step."""
     try:
@@ -105,9 +111,7 @@ def main() -> None:
     try:
         for agg, loss in settings:
             for seed in args.seeds:
-                trial = train_grpo.parse_args(["--model", args.model, "--agg", agg, "--policy-loss", loss, "--seed",
-                                               str(seed), "--output-dir", str(out / "check"), "--eval-dataset", "",
-                                               *RULE_ARGS.get(agg, []), *train_extra])
+                trial = train_grpo.parse_args(train_args(args.model, agg, loss, seed, out / "check", train_extra))
                 check_args(trial, nproc, train_grpo.POLICY_LOSS_DEFAULTS[loss], train_grpo.OFFLINE_DEFAULTS)
             train_grpo.deepspeed_config(trial, nproc)
         evaluate.parse_args(["--run", str(out), *eval_args])
@@ -128,8 +132,7 @@ def main() -> None:
                 f.write(code_commit() + "\n")
             # the trainer's own held-out evaluation is left to evaluate.py (every checkpoint, all seeds)
             cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "train_grpo.py",
-                   "--model", args.model, "--agg", agg, "--policy-loss", loss, "--seed", str(seed),
-                   "--output-dir", str(run), "--eval-dataset", "", *RULE_ARGS.get(agg, []), *train_extra]
+                   *train_args(args.model, agg, loss, seed, run, train_extra)]
             with open(out / f"{run.name}.log", "a") as log:
                 rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
             if rc != 0 or not finished(run):

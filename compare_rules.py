@@ -136,8 +136,11 @@ def first_step(model, seqs: list, rewards: torch.Tensor, agg: str) -> dict[str, 
 def predict(task: str, steps: int, seed: int = 0) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from data.demo import model_dir, split_pairs
+    from data.demo import TASKS, model_dir, split_pairs
 
+    if task not in TASKS or not task.startswith("lab-check"):
+        raise ValueError(f"--predict {task}: it knows the right responses of the lab-check tasks only "
+                         f"({', '.join(t for t in TASKS if t.startswith('lab-check'))})")
     path = model_dir(task)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

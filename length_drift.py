@@ -188,7 +188,8 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
     losses = len({loss for _, loss in settings}) > 1  # then also the share of tokens each loss clips
     head = ["rule"]
     for task in tasks:
-        head += ([f"{task}: pg loss, steps 1-5", "scale-free"] if "nogap" not in task else [f"{task}: push x1000"])
+        head += ([f"{task}: pg loss, steps 1-5", "scale-free", "scale-free, step 1"] if "nogap" not in task
+                 else [f"{task}: push x1000"])
         head += [f"{task}: length, steps 36-40", f"{task}: Acc@8 peak / last"]
         head += [f"{task}: clip fraction, steps 1-40"] if losses else []
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
@@ -198,7 +199,7 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
         for task, by_setting in tasks.items():
             runs = by_setting.get((agg, loss), [])
             if not runs:
-                cells += ["-"] * ((3 if "nogap" in task else 4) + losses)
+                cells += ["-"] * ((3 if "nogap" in task else 5) + losses)
                 continue
             per_run = [steps(r) for r in runs]
             seeds = [json.loads((r / "args.json").read_text())["seed"] for r in runs]
@@ -206,6 +207,7 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
                 first = [sum(scale_free(m[s], agg) for s in range(1, 6)) / 5 for m in per_run]
                 cells.append(fmt([sum(m[s]["loss/pg"] for s in range(1, 6)) / 5 for m in per_run], 4, True))
                 cells.append(fmt(first, 4, True))
+                cells.append(fmt([scale_free(m[1], agg) for m in per_run], 4, True))  # the prediction's own step
             else:
                 pushes = []
                 for run in runs:
@@ -229,6 +231,16 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
                                                      for s in sorted(m)] for m in per_run]
         print("| " + " | ".join(cells) + " |")
     if per_seed:
+        ses = []  # the evaluation's own noise: Acc@n's standard error over the held-out prompts, last checkpoint
+        for runs in tasks.values():
+            for group in runs.values():
+                for run in group:
+                    r, _, n = checkpoint_samples(evaluate.run_checkpoints(str(run))[-1][1], eval_args)
+                    per_prompt = r.view(-1, n).mean(1)
+                    ses.append(100 * float(per_prompt.std() / len(per_prompt) ** 0.5))
+        print(f"\nThe evaluation's own noise: Acc@{eval_args.n}'s standard error over the held-out prompts (the "
+              f"spread of their pass fractions / sqrt(prompts)) at a run's last checkpoint, {min(ses):.1f} to "
+              f"{max(ses):.1f} points; a peak is a maximum over checkpoints, biased upward by about that much.")
         print("\nPer seed: the lab's scale-free pg loss over steps 1-5 (a control's push x1000), the mean length over "
               f"steps 36-40, Acc@{eval_args.n} at the peak / last checkpoint\n")
         print("| task | rule | seed | pg loss or push | length | Acc peak / last |\n|---|---|---|---|---|---|")

@@ -56,6 +56,11 @@ EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         + [["length_drift.py", "--summary", *(f"runs/ablation-{m}" for m in ("lab", "lab-nogap", "lab-nogap-hi")),
             "--figure", "docs/workbench.png", "--per-seed"]],
     ),
+    "cispo": (
+        "CISPO aggregated as MiniMax-M1 does (token-batch) and as token-agg, against ppo, 4 updates a rollout",
+        ["--aggs token token-batch --losses ppo cispo --seeds 1 2 --out runs/cispo-lab -- --minibatches 4".split()],
+        [["length_drift.py", "--summary", "runs/cispo-lab", "--per-seed"]],
+    ),
     "losses": (
         "The policy losses under seq, token, balanced and token-batch, 4 updates per rollout, 2 seeds",
         ["--aggs seq token balanced token-batch --losses ppo gspo cispo sapo --seeds 1 2 --out runs/losses-lab "
@@ -88,7 +93,8 @@ def section(name: str) -> str:
     what, ablations, tables = EXPERIMENTS[name]
     commits = run_commits(tables)
     out = [f"<!-- section {name} -->", f"## {name}: {what}", "",
-           f"Runs trained at commit{'s' if len(commits) > 1 else ''} {', '.join(c[:10] for c in commits) or '-'}; "
+           f"Runs trained at commit{'s' if len(commits) > 1 else ''} "
+           f"{', '.join(c[:10] + ('+dirty' if c.endswith('+dirty') else '') for c in commits) or '-'}; "
            f"regenerate with `python reproduce.py {name}`.", "", "```bash",
            *(f"python ablation.py {' '.join(a)}" for a in ablations), "```", ""]
     for cmd in tables:

@@ -110,7 +110,9 @@ AGGS = ["seq", "token", "balanced", "balanced-batch", "token-batch", "dr-grpo", 
 POLICY_LOSS_DEFAULTS = {
     "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.28),  # DAPO's clip-higher
     "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),  # GSPO's, on the sequence ratio
-    "cispo": dict(clip_eps_low=1.0, clip_eps_high=4.0),  # no lower bound (MiniMax-M1); weight <= 5 (TRL's advice)
+    # no lower bound (MiniMax-M1 tunes only the upper one and publishes no value); weight <= 5: TRL's cispo
+    # value, from ScaleRL (arXiv 2510.13786); other trainers cap at 1.2-6. MiniMax-M1 pairs it with token-batch.
+    "cispo": dict(clip_eps_low=1.0, clip_eps_high=4.0),
     "sapo": dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05),  # SAPO's gate temperatures
 }
 
@@ -399,7 +401,9 @@ def aggregation_weights(
     balanced-batch  mean L of the mini-batch's responses     balanced's balance in            this project
                     of S_i's sign, all ranks                   expectation, no length term
     token-batch     mean L of the mini-batch, all ranks      sum_i sum_t l / N, N tokens      verl token-mean, TRL dapo
-    dr-grpo         L_max (max_len: --max-response-len)      sum_i sum_t l / (B L_max)        Dr. GRPO (verl, TRL)
+    dr-grpo         L_max (max_len: --max-response-len)      sum_i sum_t l / (B L_max)        Dr. GRPO's normaliser
+                                                                                                (verl, TRL); Dr. GRPO
+                                                                                                with --no-std-norm
     seq-sum         1                                        sum_i sum_t l / B                verl seq-mean-token-sum
 
     `batch`: the mini-batch's `sign_lengths`, summed over ranks (default: these responses alone).

@@ -321,6 +321,10 @@ def test_ablation_checks_every_argument_before_the_first_run(tmp_path):
     one_line_error(run("ablation.py", "--nproc", "0", *out), "--nproc must be at least 1")
     one_line_error(run("ablation.py", *out, "--", "--lr", "-1"), "--lr must be in (0, 1]")
     one_line_error(run("ablation.py", "--eval-args", "--n 0", *out), "--n must be at least 1")
+    one_line_error(run("ablation.py", *out, "--", "--no-std-norm"), "the ablation's dr-grpo already sets it")
+    one_line_error(run("compare_rules.py", str(tmp_path / "abl")), "no such directory")
+    for task in ("lab", "nope"):
+        one_line_error(run("compare_rules.py", "--predict", task), "knows the right responses of the lab-check tasks")
     assert not (tmp_path / "abl").exists()
 
 

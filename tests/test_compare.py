@@ -82,3 +82,38 @@ def test_compare_refuses_runs_that_are_not_paired_or_not_finished(tmp_path):
         C.compare(unfinished)
     with pytest.raises(ValueError, match="no such directory"):
         C.compare(tmp_path / "nope")
+
+
+def test_the_ablations_dr_grpo_is_dr_grpo_and_every_other_rule_keeps_the_std():
+    """Dr. GRPO is its normaliser with unscaled advantages: the ablation's dr-grpo run gets both."""
+    import ablation
+    import train_grpo
+
+    for agg in train_grpo.AGGS:
+        a = train_grpo.parse_args(ablation.train_args("lab", agg, "ppo", 1, "runs/x", ["--lr", "1e-4"]))
+        assert (a.agg, a.no_std_norm, a.lr) == (agg, agg == "dr-grpo", 1e-4)
+
+
+def test_ablation_records_the_commit_that_trains_each_run():
+    import ablation
+
+    sha = ablation.code_commit()
+    assert len(sha.split("+")[0]) == 40 or sha == "unknown"
+
+
+def test_reproduce_lists_every_experiment_and_refuses_an_unknown_one():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    res = subprocess.run([sys.executable, "reproduce.py", "--list"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0
+    import reproduce
+
+    for name, (_, ablations, _tables) in reproduce.EXPERIMENTS.items():
+        assert res.stdout.count(f"{name}: ") >= 1
+        for a in ablations:
+            assert f"python ablation.py {' '.join(a)}" in res.stdout
+    bad = subprocess.run([sys.executable, "reproduce.py", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("reproduce.py: error: unknown")
