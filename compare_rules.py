@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 # The comparison's rules: the paper's three, the peer trainers' two token means and Dr. GRPO (its
-# normaliser with unscaled advantages, ablation.RULE_ARGS). seq-sum is dr-grpo x L_max / L-bar.
+# normaliser with unscaled advantages, ablation.RULE_ARGS). seq-sum is the normaliser times L_max, a
+# constant that Adam divides out up to the gradient clip.
 RULES = ["seq", "token", "token-batch", "balanced", "balanced-batch", "dr-grpo"]
 REFERENCE = "balanced"  # the paper's rule: every other rule is tested against it
 GROUP, PROMPTS, LR, CLIP, ADAM_EPS, MAX_LEN = 8, 32, 2e-4, 1.0, 1e-8, 48  # the lab's settings
@@ -107,9 +108,9 @@ def sample_step(model, tok, pairs: list[tuple[int, int]], gen: torch.Generator) 
     return seqs, torch.tensor(rewards, dtype=torch.float64)
 
 
-def first_step(model, seqs: list, rewards: torch.Tensor, agg: str) -> dict[str, torch.Tensor]:
-    """Adam's first update for `agg` on one step's rollouts: lr g / (|g| + eps), g the gradient of
-    sum_i w_i sum_t (-A_i log pi(y_it)), clipped at norm 1 (the trainer's ds_config)."""
+def step_gradient(model, seqs: list, rewards: torch.Tensor, agg: str) -> dict[str, torch.Tensor]:
+    """The gradient of sum_i w_i sum_t (-A_i log pi(y_it)) for `agg` on one step's rollouts, clipped at
+    norm 1 (the trainer's ds_config)."""
     from train_grpo import aggregation_weights, group_advantages
 
     adv = group_advantages(rewards, GROUP, scale_by_std=agg != "dr-grpo")  # Dr. GRPO: A = r - mean
@@ -130,10 +131,35 @@ def first_step(model, seqs: list, rewards: torch.Tensor, agg: str) -> dict[str, 
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
     scale = min(1.0, CLIP / (float(norm) + 1e-6))
-    return {n: LR * g * scale / (g.abs() * scale + ADAM_EPS) for n, g in grads.items()}
+    return {n: g * scale for n, g in grads.items()}
 
 
-def predict(task: str, steps: int, seed: int = 0) -> None:
+def first_step(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adam's first update: lr m / (sqrt(v) + eps) with m = g, v = g^2 after bias correction."""
+    return {n: LR * g / (g.abs() + ADAM_EPS) for n, g in grads.items()}
+
+
+def steady_step(steps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """An update of Adam whose moments have averaged over these steps' gradients: lr E[g] / sqrt(E[g^2])
+    per coordinate (a coordinate whose gradient flips sign between steps barely moves)."""
+    return {n: LR * sum(g[n] for g in steps) / len(steps)
+            / ((sum(g[n] ** 2 for g in steps) / len(steps)).sqrt() + ADAM_EPS) for n in steps[0]}
+
+
+def gain(model, tok, task: str, pairs: list, update: dict[str, torch.Tensor], base: dict) -> dict[str, float]:
+    """The change (x1000) of J and the two decisions when `update` is subtracted from the weights."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        before = {n: params[n].detach().clone() for n in update}
+        for n, u in update.items():
+            params[n].sub_(u)
+        after = success_probability(model, tok, task, pairs)
+        for n, w in before.items():
+            params[n].copy_(w)  # exactly the initial policy again
+    return {k: 1000 * (after[k] - base[k]) for k in base}
+
+
+def predict(task: str, steps: int, seed: int = 0, post_hoc: bool = False) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.demo import TASKS, model_dir, split_pairs
@@ -158,28 +184,26 @@ def predict(task: str, steps: int, seed: int = 0) -> None:
           f"mean length {sum(lengths) / len(lengths):.1f}\n")
     print("| rule | first-step gain in J x1000 (mean ± s.e. over steps) | check first x1000 | answer after one "
           "check x1000 | relative to balanced |\n|---|---|---|---|---|")
-    params = dict(model.named_parameters())
-    rows = {}
+    rows, grads = {}, {}
     for agg in RULES:
-        gains = []
-        for seqs, rewards in rollouts:
-            if rewards.min() == rewards.max():
-                continue
-            update = first_step(model, seqs, rewards, agg)
-            with torch.no_grad():
-                for n, u in update.items():
-                    params[n].sub_(u)
-                after = success_probability(model, tok, task, test_pairs)
-                for n, u in update.items():
-                    params[n].add_(u)
-            gains.append({k: 1000 * (after[k] - base[k]) for k in base})
-        rows[agg] = gains
+        grads[agg] = [step_gradient(model, seqs, rewards, agg) for seqs, rewards in rollouts
+                      if rewards.min() != rewards.max()]
+        rows[agg] = [gain(model, tok, task, test_pairs, first_step(g), base) for g in grads[agg]]
     ref = sum(g["J"] for g in rows[REFERENCE]) / len(rows[REFERENCE])
     for agg, gains in rows.items():
         m = {k: sum(g[k] for g in gains) / len(gains) for k in base}
         se = (sum((g["J"] - m["J"]) ** 2 for g in gains) / max(1, len(gains) - 1) / len(gains)) ** 0.5
         print(f"| {agg} | {m['J']:+.2f} ± {se:.2f} | {m['check_first']:+.2f} | {m['answer_after_check']:+.2f} | "
               f"{m['J'] / ref:.2f} |")
+    if post_hoc:  # written after the runs: not part of the prediction (docs/lab.md says why it was added)
+        steady = {agg: gain(model, tok, task, test_pairs, steady_step(grads[agg]), base) for agg in RULES}
+        print(f"\nPost hoc: one update of Adam with moments averaged over the {len(grads[REFERENCE])} steps' "
+              "gradients, lr E[g] / sqrt(E[g^2]) (x1000)\n")
+        print("| rule | gain in J | check first | answer after one check | relative to balanced |\n"
+              "|---|---|---|---|---|")
+        for agg, g in steady.items():
+            print(f"| {agg} | {g['J']:+.2f} | {g['check_first']:+.2f} | {g['answer_after_check']:+.2f} | "
+                  f"{g['J'] / steady[REFERENCE]['J']:.2f} |")
 
 
 # -----------------------------------------------------------------------------
@@ -267,6 +291,7 @@ def compare(runs_dir: Path) -> str:
     late = {k: 100 * sum(c[t]["reward/accuracy"] for t in range(T - 4, T + 1)) / 5 for k, c in curves.items()}
     length = {k: sum(c[t]["length/mean"] for t in range(T - 4, T + 1)) / 5 for k, c in curves.items()}
     gap = {k: sum(c[t]["length/pos_neg_gap"] for t in range(1, 6)) / 5 for k, c in curves.items()}
+    pg = {k: sum(c[t]["loss/pg"] for t in range(1, 6)) / 5 for k, c in curves.items()}  # the coupling
 
     def ms(xs: list[float], digits: int = 1) -> str:
         m = sum(xs) / len(xs)
@@ -276,18 +301,19 @@ def compare(runs_dir: Path) -> str:
     lines = [f"{runs_dir.name}: {len(seeds)} paired seeds ({', '.join(map(str, seeds))}), {T} steps; AUC = mean "
              f"training accuracy over steps 1-{T} (%), the declared measure; late = steps {T - 4}-{T}\n",
              "| rule | " + " | ".join(f"AUC s{s}" for s in seeds) + " | AUC | late accuracy | length, late | "
-             "neg-pos gap, steps 1-5 |", "|---|" + "---|" * (len(seeds) + 4)]
+             "neg-pos gap, steps 1-5 | pg loss, steps 1-5 |", "|---|" + "---|" * (len(seeds) + 5)]
     for a in rules:
         lines.append(f"| {a} | " + " | ".join(f"{auc[(a, s)]:.1f}" for s in seeds)
                      + f" | {ms([auc[(a, s)] for s in seeds])} | "
                      f"{ms([late[(a, s)] for s in seeds])} | {ms([length[(a, s)] for s in seeds])} | "
-                     f"{ms([gap[(a, s)] for s in seeds])} |")
+                     f"{ms([gap[(a, s)] for s in seeds])} | {ms([pg[(a, s)] for s in seeds], 4)} |")
     others = [a for a in rules if a != REFERENCE]
     if REFERENCE in rules and others:
         tests = [t_test([auc[(a, s)] - auc[(REFERENCE, s)] for s in seeds]) for a in others]
         adjusted = holm([p for _, p in tests])
         lines += ["", f"Paired against {REFERENCE} (d = AUC(rule) - AUC({REFERENCE}) per seed; two-sided paired "
-                  f"t-test, {len(seeds) - 1} degrees of freedom; Holm over the {len(others)} rules)\n",
+                  f"t-test, {len(seeds) - 1} degree{'s' if len(seeds) > 2 else ''} of freedom; Holm over the "
+                  f"{len(others)} rules)\n",
                   "| rule | d per seed | mean d | t | p | p (Holm) |", "|---|---|---|---|---|---|"]
         for a, (t, p), ph in zip(others, tests, adjusted):
             d = [auc[(a, s)] - auc[(REFERENCE, s)] for s in seeds]
@@ -315,12 +341,15 @@ def mechanism(table: dict, rules: list[str], seeds: list[int], task: str) -> str
 
     _, test_pairs = split_pairs()
     values: dict[tuple[str, int], list[dict]] = {}
+    measured: dict[str, dict] = {}  # by checkpoint: step 0, the initial policy, is every run's
     for a in rules:
         for s in seeds:
             for step, ckpt in run_checkpoints(str(table[a][s])):
-                tok = AutoTokenizer.from_pretrained(ckpt)
-                model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-                values.setdefault((a, step), []).append(success_probability(model, tok, task, test_pairs))
+                if ckpt not in measured:
+                    tok = AutoTokenizer.from_pretrained(ckpt)
+                    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+                    measured[ckpt] = success_probability(model, tok, task, test_pairs)
+                values.setdefault((a, step), []).append(measured[ckpt])
     steps = sorted({step for _, step in values})
     out = ["Held-out J (exact probability of a right answer, %) / check first / answer after one check, at each "
            "checkpoint (mean ± std over seeds)\n", "| rule | " + " | ".join(f"step {s}" for s in steps) + " |",
@@ -341,13 +370,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="?", help="an ablation.py --out directory of the comparison's runs")
     p.add_argument("--predict", metavar="TASK", help="the first-step prediction on an offline lab-check policy")
-    p.add_argument("--steps", type=int, default=24, help="with --predict: rollout steps sampled")
+    p.add_argument("--steps", type=int, default=12, help="with --predict: rollout steps sampled")
+    p.add_argument("--post-hoc", action="store_true", help="with --predict: also the steady-state Adam update "
+                   "(added after the runs)")
     args = p.parse_args()
     if (args.runs is None) == (args.predict is None):
         p.error("give a runs directory or --predict TASK")
     try:
         if args.predict:
-            predict(args.predict, args.steps)
+            predict(args.predict, args.steps, post_hoc=args.post_hoc)
         else:
             print(compare(Path(args.runs)))
     except ValueError as e:

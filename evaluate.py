@@ -361,7 +361,10 @@ def group_runs(runs: list[str]) -> dict[str, list[str]]:
     labels = {}
     for g in groups.values():
         a = run_args(g[0])
-        label = " ".join(str(a.get(k)) for k in differ) or a.get("agg") or Path(g[0]).name
+        # a switch by its name where it is on ('dr-grpo no-std-norm'), by nothing where it is off
+        parts = [k.replace("_", "-") if a.get(k) is True else str(a.get(k)) for k in differ
+                 if a.get(k) not in (False, None)]
+        label = " ".join(parts) or a.get("agg") or Path(g[0]).name
         labels[label if label not in labels else f"{label} ({Path(g[0]).name})"] = g
     return labels
 

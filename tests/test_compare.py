@@ -42,7 +42,8 @@ def write_run(root, agg, seed, acc, first=(0.25, 20.0), steps=None):
     rows = [{"step": 0, "eval/acc": 0.1}]
     for step, a in enumerate(acc, 1):
         a, length = first if step == 1 else (a, 15.0)
-        rows.append({"step": step, "reward/accuracy": a, "length/mean": length, "length/pos_neg_gap": 5.0})
+        rows.append({"step": step, "reward/accuracy": a, "length/mean": length, "length/pos_neg_gap": 5.0,
+                     "loss/pg": 0.1})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
@@ -117,3 +118,25 @@ def test_reproduce_lists_every_experiment_and_refuses_an_unknown_one():
             assert f"python ablation.py {' '.join(a)}" in res.stdout
     bad = subprocess.run([sys.executable, "reproduce.py", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("reproduce.py: error: unknown")
+
+
+def test_reproduce_rewrites_only_the_sections_asked_for_with_their_runs_commits(tmp_path, monkeypatch):
+    import reproduce
+
+    monkeypatch.setattr(reproduce, "ROOT", tmp_path)
+    monkeypatch.setattr(reproduce, "RESULTS", tmp_path / "results.md")
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "x-seq-s1.commit").write_text("a" * 40 + "\n")
+    (tmp_path / "runs" / "a" / "x-token-s1.commit").write_text("b" * 40 + "+dirty\n")
+    table = ["-c", "import sys; print('| seq | 1.0 ± 0.1 |')", "runs/a"]
+    monkeypatch.setattr(reproduce, "EXPERIMENTS", {"one": ("first", [["--model", "lab"]], [table]),
+                                                   "two": ("second", [], [["-c", "print('| two | 2 ± 0 |')"]])})
+    reproduce.write_sections(["one", "two"])
+    text = (tmp_path / "results.md").read_text()
+    assert "| seq | 1.0 ± 0.1 |" in text and "| two | 2 ± 0 |" in text
+    assert f"Runs trained at commits {'a' * 10}, {'b' * 10}+dirty" in text
+    monkeypatch.setitem(reproduce.EXPERIMENTS, "two", ("second", [], [["-c", "print('| two | 3 ± 0 |')"]]))
+    reproduce.write_sections(["two"])
+    again = (tmp_path / "results.md").read_text()
+    assert "| two | 3 ± 0 |" in again and "| two | 2 ± 0 |" not in again and "| seq | 1.0 ± 0.1 |" in again
+    assert again.count("<!-- section one -->") == 1 and again.count("<!-- section two -->") == 1

@@ -5,6 +5,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import BENCHMARKS, ROOT
@@ -152,6 +153,15 @@ def test_seeds_of_one_setting_are_averaged(tmp_path):
     (other / "args.json").write_text(json.dumps({"model": "lab-nogap", "agg": "seq", "seed": 1, "lr": 2e-4}))
     labels = set(group_runs([*runs, str(other)]))
     assert labels == {"lab seq", "lab token", "lab-nogap seq"}
+    # a switch that one setting turns on (ablation.py's dr-grpo: Dr. GRPO) names it there, nothing elsewhere
+    dr = tmp_path / "lab-dr-grpo-s1"
+    dr.mkdir()
+    (dr / "args.json").write_text(json.dumps({"model": "lab", "agg": "dr-grpo", "seed": 1, "lr": 2e-4,
+                                              "no_std_norm": True}))
+    for run in runs:
+        a = json.loads((Path(run) / "args.json").read_text())
+        (Path(run) / "args.json").write_text(json.dumps({**a, "no_std_norm": False}))
+    assert set(group_runs([*runs, str(dr)])) == {"seq", "token", "dr-grpo no-std-norm"}
 
 
 @pytest.mark.slow
