@@ -1,0 +1,49 @@
+"""The published numbers: every measured table row of the README and docs/ is a row of
+docs/results.md, which `python reproduce.py` regenerates from the runs (per seed, with the commit
+they were trained at). A table kept from before reproduce.py must sit in a block that says so."""
+
+import re
+
+from conftest import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LEGACY = re.compile(r"<!-- not regenerated: [^>]+ -->.*?<!-- end not regenerated -->", re.S)
+
+
+def measured_rows(text: str) -> list[str]:
+    """Table rows holding a mean ± std: measured over seeds, not a formula or a flag."""
+    return [line.strip() for line in text.splitlines() if line.startswith("|") and "±" in line]
+
+
+MEAN_STD = re.compile(r"[-+]?\d+(?:\.\d+)? ± \d+(?:\.\d+)?")
+
+
+def test_every_published_table_row_is_regenerated_by_reproduce():
+    """A row is results.md's verbatim, or (a table that joins two of its tables, as the prediction for
+    a task and its control) every mean ± std in it is results.md's, in a row of the same rule."""
+    results = (ROOT / "docs" / "results.md").read_text()
+    generated = measured_rows(results)
+    assert generated, "docs/results.md holds no measured rows"
+    for page in PAGES:
+        if page.name == "results.md":
+            continue
+        text = page.read_text()
+        for block in LEGACY.findall(text):  # a legacy block says which commit and how to regenerate it
+            assert "commit" in block and "python reproduce.py" in block, block[:200]
+        for row in measured_rows(LEGACY.sub("", text)):
+            if row in generated:
+                continue
+            rule = row.split("|")[1].strip().replace("**", "")
+            same_rule = [g for g in generated if g.split("|")[1].strip().startswith(rule.split(" (")[0])]
+            for value in MEAN_STD.findall(row.replace("−", "-")):
+                assert any(value in g for g in same_rule), \
+                    f"{page.name}: {value} of this row is in no row of docs/results.md: {row[:120]}"
+
+
+def test_results_name_the_commit_of_every_section():
+    text = (ROOT / "docs" / "results.md").read_text()
+    sections = re.findall(r"<!-- section (\S+) -->(.*?)<!-- end \1 -->", text, re.S)
+    assert sections
+    for name, body in sections:
+        assert re.search(r"Runs trained at commits? [0-9a-f]{10}", body), name
+        assert "+dirty" not in body, f"{name}: runs trained from uncommitted code"
