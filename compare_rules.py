@@ -1,5 +1,5 @@
 """Does the aggregation rule change what is learned? A prediction from the formulas, then paired seeds
-and a test declared before the runs (docs/lab.md, "When the coupling costs accuracy").
+and a test declared before the runs (docs/lab.md, "Can the coupling cost accuracy?").
 
     python compare_rules.py --predict lab-check          # before any run: each rule's first-step gain
     python compare_rules.py runs/compare-lab-check       # after: the paired comparison, per seed
