@@ -143,6 +143,7 @@ def parse_args() -> argparse.Namespace:
     args.prompts_per_step, args.minibatches, args.lr, args.weight_decay = 0, 1, 1e-6, 0.0
     args.lr_warmup_steps, args.ds_config, args.seed = 0, str(ROOT / "ds_config.json"), 0
     args.vllm_gpu_memory, args.reward_workers = 0.3, 4
+    args.padded, args.deterministic = False, False  # packed rows (the padded ones: --update-only's second column)
     return args
 
 
@@ -366,7 +367,7 @@ def gather_volume(chunks: list[int], world: int) -> dict:
         resp = torch.zeros_like(ids, dtype=torch.bool)
         resp[:, 10:] = True  # 4 x 250 = 1000 response tokens
         with count_gathers() as gathered:
-            logp = T.token_logprobs(engine, ids, torch.ones_like(ids), resp, 1.0, chunk)
+            logp = T.token_logprobs(engine, ids, resp, {"attention_mask": torch.ones_like(ids)}, 1.0, chunk)
             engine.backward(logp.sum(), scale_wrt_gas=False)
         out[chunk] = {"gathered_x_params": gathered[0] / params, "lm_head_share": lm_head / params}
         engine.optimizer.zero_grad()
@@ -378,17 +379,20 @@ def bare_update(engine, batch: list[dict], micro: int, pad_id: int, device) -> N
     order = sorted(range(len(batch)), key=lambda i: len(batch[i]["tokens"]))
     for start in range(0, len(order), micro):
         mb = [batch[i] for i in order[start : start + micro]]
-        ids, attn, resp = T.pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], pad_id, device)
+        ids, resp, inputs = T.pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], pad_id, device)
         labels = torch.where(resp, ids, -100)
-        loss = engine(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
+        loss = engine(input_ids=ids, **inputs, labels=labels, use_cache=False).loss
         engine.backward(loss)
         engine.step()
 
 
-def padding_share(batch: list[dict], max_rows: int | None, max_tokens: int = 0) -> float:
-    """The share of pad tokens in the update's micro-batches (T.micro_batches: rows x the longest each)."""
+def padding_share(batch: list[dict], max_rows: int | None, max_tokens: int = 0, padded: bool = True) -> float:
+    """The share of pad tokens in the update's micro-batches (T.micro_batches; padded: rows x the longest each;
+    packed rows carry none)."""
+    if not padded:
+        return 0.0
     lens = [len(r["tokens"]) for r in batch]
-    parts = T.micro_batches(lens, max_rows, max_tokens)
+    parts = T.micro_batches(lens, max_rows, max_tokens, packed=False)
     return 1 - sum(lens) / sum(len(b) * lens[b[-1]] for b in parts)
 
 
@@ -478,18 +482,22 @@ def update_benchmark(args) -> None:
         cfg["zero_optimization"].update(RELEASE)
     dschf = HfDeepSpeedConfig(cfg)  # noqa: F841  (from_config builds the model partitioned, under zero.Init)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
+    args.padded, args.deterministic = False, False
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32,
+                                             attn_implementation=T.attention_implementation(args))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     engine.train()
-    if args.micro_batch_tokens is None:  # CUDA: as the trainer sizes it at its first update
-        args.micro_batch_tokens = T.token_budget(config, torch.cuda.mem_get_info()[0], args.gradient_checkpointing,
-                                                 args.logprob_chunk)
     rollouts = synthetic_rollouts(n, args.prompt_len, args.response_len, config.vocab_size, 1000 + rank)
+    lens = [len(r["tokens"]) for r in rollouts]
     args.pad_id = 0
     adv = torch.tensor([r["advantage"] for r in rollouts], dtype=torch.float64)
     w = T.aggregation_weights(adv, torch.tensor([r["length"] for r in rollouts]), 8, "balanced")
+    model_flops, peak = T.model_flops_fn(engine, args.peak_tflops)
+    peak = peak or (args.peak_tflops * 1e12 if args.peak_tflops else None)
+    flops = model_flops(lens)
+    budget_given = args.micro_batch_tokens
 
     def timed(fn) -> float:
         fn()  # warm-up: optimizer state, kernels, ZeRO-3's trace
@@ -503,12 +511,30 @@ def update_benchmark(args) -> None:
                 torch.cuda.synchronize()
         return best_of(args.repeats, run)
 
-    t_update = timed(lambda: T.update_minibatch(engine, rollouts, w, args, device))
-    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    model_flops, peak = T.model_flops_fn(engine, args.peak_tflops)
-    peak = peak or (args.peak_tflops * 1e12 if args.peak_tflops else None)
-    tokens = sum(len(r["tokens"]) for r in rollouts)
-    flop_rate = model_flops([len(r["tokens"]) for r in rollouts]) / t_update
+    modes = {}
+    for mode in ("packed", "padded"):  # the same engine, responses and budget rule; only the rows differ
+        args.padded = mode == "padded"
+        memory = T.memory_model(config, args.gradient_checkpointing, args.logprob_chunk, T.attention_kind(args, cuda),
+                                max(lens), world, engine.zero_max_live_parameters(), engine.zero_reduce_bucket_size())
+        held = torch.cuda.memory_allocated() if cuda else 0  # the ZeRO-3 states, outside the model's count
+        if budget_given is None:  # CUDA: as the trainer sizes it at its first update
+            args.micro_batch_tokens = T.token_budget(memory, torch.cuda.mem_get_info()[0], max(lens))
+        parts = T.rank_micro_batches(rollouts, args.micro_batch_size, args.micro_batch_tokens, not args.padded)
+        t_update = timed(lambda: T.update_minibatch(engine, rollouts, w, args, device))
+        largest = max(sum(lens[i] for i in b) if not args.padded else len(b) * lens[b[-1]] for b in parts)
+        tot = T.all_reduce([sum(lens) / t_update, flops / t_update])
+        slowest = T.all_reduce([t_update, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                                len(parts), (held + memory["fixed"] + memory["per_token"] * largest) / 2**30],
+                               "max").tolist()
+        modes[mode] = {"micro_batch_tokens": args.micro_batch_tokens, "micro_batches": int(slowest[2]),
+                       "padding_share": padding_share(rollouts, args.micro_batch_size, args.micro_batch_tokens,
+                                                      args.padded),
+                       "update_s": slowest[0], "tokens_per_s": tot[0].item() / world,
+                       "tflops": tot[1].item() / world / 1e12, "mfu": tot[1].item() / world / peak if peak else None,
+                       "peak_gib": slowest[1] if cuda else None, "predicted_peak_gib": slowest[3] if cuda else None,
+                       "model_mib_per_token": memory["per_token"] / 2**20, "model_fixed_gib": memory["fixed"] / 2**30}
+    args.padded = False
+    args.micro_batch_tokens = modes["packed"]["micro_batch_tokens"]
     # forward-only log-probs (fill_logprobs), at the update's micro-batch and at the forward-only batch (by
     # the token budget alone where there is one)
     forward = {}
@@ -518,38 +544,34 @@ def update_benchmark(args) -> None:
         seconds = timed(fill)
         with count_gathers() as gathered:
             fill()
-        passes = len(T.rank_micro_batches(rollouts, batch, args.micro_batch_tokens))
-        forward[batch or "budget"] = {"seconds": seconds, "passes": passes,
+        passes = len(T.rank_micro_batches(rollouts, batch, args.micro_batch_tokens, True))
+        forward[batch or "budget"] = {"seconds": T.all_reduce([seconds]).item() / world, "passes": passes,
                                       "gathered_x_params": gathered[0] / n_params}
-    tot = T.all_reduce([tokens / t_update, flop_rate, *(f["seconds"] for f in forward.values())])
-    slowest = T.all_reduce([t_update, peak_gib or 0.0], "max").tolist()
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "world": world, "shape": args.shape,
            "params_b": n_params / 1e9, "responses_per_rank": n, "micro_batch_size": args.micro_batch_size,
-           "micro_batch_tokens": args.micro_batch_tokens, "logprob_chunk": args.logprob_chunk,
-           "gradient_checkpointing": args.gradient_checkpointing,
-           "micro_batches": len(T.rank_micro_batches(rollouts, args.micro_batch_size, args.micro_batch_tokens)),
-           "padding_share": padding_share(rollouts, args.micro_batch_size, args.micro_batch_tokens),
+           "logprob_chunk": args.logprob_chunk, "gradient_checkpointing": args.gradient_checkpointing,
            "prompt_len": args.prompt_len, "response_len": args.response_len, "force_release": args.force_release,
-           "update_s": slowest[0], "tokens_per_s": tot[0].item() / world, "tflops": tot[1].item() / world / 1e12,
-           "mfu": tot[1].item() / world / peak if peak else None, "peak_tflops": peak / 1e12 if peak else None,
-           "update_peak_gib": slowest[1] if cuda else None,
-           "forward_only": {b: {**f, "seconds": tot[2 + i].item() / world} for i, (b, f) in enumerate(forward.items())}}
+           "peak_tflops": peak / 1e12 if peak else None, **modes["packed"], "modes": modes, "forward_only": forward}
     if rank == 0:
         Path(args.out).write_text(json.dumps(res, indent=1))
         print(f"\nupdate benchmark ({res['device']}, {world} rank(s), {args.shape}: {res['params_b']:.2f}B parameters, "
               f"random weights; ZeRO-3 {'bf16' if cuda else 'fp32'}, gradient checkpointing "
               f"{'on' if args.gradient_checkpointing else 'off'}, {n} responses of {args.prompt_len} + <= "
-              f"{args.response_len} tokens per rank, micro-batches of at most {args.micro_batch_size or 'any'} "
-              f"responses and {args.micro_batch_tokens or 'any'} tokens, log-prob chunk {args.logprob_chunk}); "
-              f"full numbers in {args.out}")
-        mfu = f"{res['mfu']:.3f} (peak {res['peak_tflops']:.3g} TFLOP/s)" if res["mfu"] is not None \
-            else "needs --peak-tflops"
-        memory = f"{res['update_peak_gib']:.1f} GiB" if cuda else "CUDA only"
-        print("| update, per device | value |\n|---|---|")
-        print(f"| tokens/s | {res['tokens_per_s']:.0f} |\n| model TFLOP/s | {res['tflops']:.4g} |\n| MFU | {mfu} |")
-        print(f"| seconds per update | {res['update_s']:.3f} |\n| peak memory | {memory} |")
-        print(f"| micro-batches | {res['micro_batches']} |\n| padding share | {res['padding_share']:.3f} |")
-        print("| forward-only log-probs (fill_logprobs) | seconds | passes | ZeRO-3 gathered, x params |\n"
+              f"{args.response_len} tokens per rank, micro-batches of "
+              + (f"at most {args.micro_batch_size} responses" if args.micro_batch_size else "any number of responses")
+              + f", log-prob chunk {args.logprob_chunk}); full numbers in {args.out}")
+        cell = {"mfu": lambda v: f"{v:.3f}" if v is not None else "needs --peak-tflops",
+                "peak_gib": lambda v: f"{v:.1f}" if v is not None else "CUDA only",
+                "predicted_peak_gib": lambda v: f"{v:.1f}" if v is not None else "CUDA only",
+                "micro_batch_tokens": lambda v: str(v or "any"), "micro_batches": str,
+                "padding_share": lambda v: f"{v:.3f}", "tokens_per_s": lambda v: f"{v:.0f}",
+                "tflops": lambda v: f"{v:.4g}", "update_s": lambda v: f"{v:.3f}"}
+        print("| update, per device | packed | padded (--padded) |\n|---|---|---|")
+        for k, show in cell.items():
+            print(f"| {k.replace('_', ' ')} | {show(modes['packed'][k])} | {show(modes['padded'][k])} |")
+        if peak:
+            print(f"(MFU against a peak of {peak / 1e12:.3g} TFLOP/s)")
+        print("| forward-only log-probs (fill_logprobs, packed) | seconds | passes | ZeRO-3 gathered, x params |\n"
               "|---|---|---|---|")
         for b, f in res["forward_only"].items():
             print(f"| batch {b} | {f['seconds']:.3f} | {f['passes']} | {f['gathered_x_params']:.2f} |")
@@ -646,7 +668,8 @@ def main() -> None:
     flops = model_flops([len(r["tokens"]) for r in rollouts])
     n_tokens = sum(len(r["tokens"]) for r in rollouts)
     results["update"] = {"trainer_s": t_update, "bare_s": t_bare_update, "ratio": t_update / t_bare_update,
-                         "padding_share": padding_share(rollouts, args.micro_batch_size, args.micro_batch_tokens),
+                         "padding_share": padding_share(rollouts, args.micro_batch_size, args.micro_batch_tokens,
+                                                        args.padded),
                          "tflop_per_s": flops / t_update / 1e12, "mfu": flops / t_update / peak if peak else None,
                          "train_tokens_per_s": n_tokens / t_update,
                          "gen_tokens_per_s": sum(r["length"] for r in rollouts) / t_trainer}

@@ -234,6 +234,11 @@ RESUME_MAY_CHANGE = {"lr", "lr_warmup_steps", "weight_decay", "clip_eps_low", "c
                      "eval_limit", "eval_samples"}
 
 
+# the sizes whose defaults depend on the device (CUDA or the CPU: train_grpo.parse_args), not on the user: a launch
+# that does not give the flag is not a change of the run, and runs with its own device's default
+DEVICE_DEFAULTS = {"micro_batch_size", "logprob_chunk", "gradient_checkpointing"}
+
+
 def run_identity(args: dict) -> dict:
     """What makes a run what it is: every argument but RUN_ARGS_IGNORED (so a flag added later is part of
     it unless said otherwise), --ds-config by its contents (another clone's copy of it is the same run).
@@ -362,8 +367,10 @@ def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> list[Pa
                 if int(os.environ.get("RANK", "0")) == 0:
                     print(f"[grpo] {where} predates --{k.replace('_', '-')}: it goes on with --{k.replace('_', '-')} "
                           f"{before}, as it was trained (docs/rewards.md)", flush=True)
+        given = set(getattr(args, "flags_given", ()))
         new = run_identity(vars(args))
         record, never, unless_resume = identity_changes(record, new, defaults)
+        unless_resume = [k for k in unless_resume if k not in DEVICE_DEFAULTS or k in given]
         if never:
             raise ValueError(f"{where} holds a run with other arguments ({shown_changes(never, record, new)}), "
                              "which no resume changes: use another --output-dir, or its arguments")
@@ -675,7 +682,7 @@ def gpu_memory() -> list[float]:
 
 
 SUM_KEYS = ["pg_loss", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates", "mismatch_abs",
-            "mismatch_kl", "mismatch_out", "correction"]
+            "mismatch_kl", "mismatch_out", "correction", "micro_batches"]
 
 
 def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: dict, args, world: int,
@@ -698,6 +705,7 @@ def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: di
         "loss/clip_frac": tot["clipped"] / tokens, "loss/approx_kl": tot["approx_kl"] / tokens,
         "loss/grad_norm": tot["grad_norm"] / world / updates,
         "train/skipped_updates": tot["skipped_updates"],
+        "train/micro_batches": tot["micro_batches"] / world / updates,  # per update and rank (every rank makes as many)
         "train/no_signal": float(tot["updates"] + tot["skipped_updates"] == 0),  # no mini-batch ran
         "length/mean": tot["length"] / n, "length/max": all_reduce([max(r["length"] for r in rollouts)], "max").item(),
         "length/cv": tot["length_cv"] / tot["groups"],

@@ -12,7 +12,8 @@ One step, top to bottom: the numbered sections of this file, and main()'s loop.
   4. aggregate    one weight w_i per response so that loss = sum_i w_i sum_t l_it over the
                   mini-batch (the paper's rules and the peer trainers', `aggregation_weights`);
   5. policy loss  PPO-clip (or GSPO, CISPO, SAPO) per token, l_it;
-  6. update       ZeRO-3 backward and step per mini-batch, over length-sorted micro-batches;
+  6. update       ZeRO-3 backward and step per mini-batch, over packed micro-batches cut by a
+                  token budget (each a row of whole sequences, attention confined to each);
   7. sync         gather ZeRO-3 partitions one parameter at a time into vLLM, in place.
 Then the engines and the distributed set-up, then main(). The run's plumbing (argument checks, the
 run directory, checkpoints, early ends, metrics and loggers) is in grpo_run.py.
@@ -134,8 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--micro-batch-size", type=int, default=None,
       help="responses per forward/backward per rank at most (default 4; with a token budget: no cap but it)")
     a("--micro-batch-tokens", type=int, default=None,
-      help="padded tokens per forward/backward per rank: micro-batches of length-sorted responses filled up to it "
-           "(default: on CUDA sized from the free memory at the first update, docs/gpu.md; on the CPU 0 = off)")
+      help="tokens per forward/backward per rank: micro-batches of length-sorted responses filled up to it (default: "
+           "on CUDA sized from the free memory at the first update by memory_model, recorded in the run; on the "
+           "CPU 0 = off)")
+    a("--padded", action="store_true",
+      help="right-padded micro-batches (rows x the longest count against the budget) instead of packed rows, "
+           "for comparison (docs/gpu.md)")
     a("--lr", type=float, default=1e-6)
     a("--lr-warmup-steps", type=int, default=10, help="rollout steps of linear warm-up")
     a("--weight-decay", type=float, default=0.1)
@@ -552,18 +557,18 @@ def _chunk_logprobs(weight: torch.Tensor, bias, hidden: torch.Tensor, targets: t
 
 
 def token_logprobs(
-    engine, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-    response_mask: torch.Tensor, temperature: float, chunk: int,
+    engine, input_ids: torch.Tensor, response_mask: torch.Tensor, inputs: dict, temperature: float, chunk: int,
 ) -> torch.Tensor:
-    """log pi(y_t | y_<t) for the response tokens (response_mask), flattened in row order."""
+    """log pi(y_t | y_<t) for the response tokens (response_mask), flattened in row order; `inputs`: the
+    model's other arguments for the rows (pack_batch's or pad_batch's)."""
     # The forward goes through the DeepSpeed engine, and the loss is built from its output: the
     # final (normed) hidden states, hidden_states[-1], with logits_to_keep=[] so that the model's
     # own lm_head runs on an empty slice (ZeRO-3 still gathers lm_head for that call; the logits
     # are computed in chunks below). DeepSpeed hooks that output, so its backward prologue runs
     # (ZeRO-3 gradient-accumulation bookkeeping, the accumulation-boundary flag offload reads).
-    out = engine(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
+    out = engine(input_ids=input_ids, **inputs, use_cache=False, output_hidden_states=True,
                  logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
-    predict = response_mask[:, 1:]  # position t predicts token t+1
+    predict = response_mask[:, 1:]  # position t predicts token t+1 (of its own sequence: pack_batch)
     hidden = out.hidden_states[-1][:, :-1][predict]
     return chunked_logprobs(engine.module.lm_head, hidden, input_ids[:, 1:][predict], temperature, chunk)
 
@@ -602,11 +607,29 @@ def chunked_logprobs(
 
 
 # -----------------------------------------------------------------------------
-# 6. Update: ZeRO-3 backward and step per mini-batch, over length-sorted micro-batches
+# 6. Update: ZeRO-3 backward and step per mini-batch, over micro-batches cut by a token budget. A
+# micro-batch is one packed row: its sequences back to back, each with its own positions from 0, and
+# attention confined to each sequence by a variable-length kernel (no pad token is computed).
+
+
+def pack_batch(seqs: list[list[int]], prompt_lens: list[int], device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """[1, N] input_ids and response_mask for the sequences prompt+response packed into one row, and the model's
+    keyword arguments for it: per-sequence position_ids and the cumulative lengths packed_attention reads."""
+    assert min(prompt_lens) >= 1  # a sequence's first token is a prompt token: nothing predicts across a boundary
+    lens = [len(s) for s in seqs]
+    ids = torch.tensor([t for s in seqs for t in s])
+    resp = torch.cat([torch.arange(n) >= p for n, p in zip(lens, prompt_lens)])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    # every layer's attention is one kind: a dict of its masks stops transformers from building an N x N mask
+    inputs = dict(position_ids=positions[None].to(device), attention_mask={"full_attention": None},
+                  cu_seq_lens_q=cu.to(device), cu_seq_lens_k=cu.to(device), max_length_q=max(lens),
+                  max_length_k=max(lens))
+    return ids[None].to(device), resp[None].to(device), inputs
 
 
 def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device) -> tuple[torch.Tensor, ...]:
-    """Right-padded input_ids, attention_mask and response_mask for sequences prompt+response."""
+    """--padded: right-padded input_ids, response_mask and the model's attention_mask, one row a sequence."""
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -615,45 +638,83 @@ def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device
         ids[i, : len(s)] = torch.tensor(s)
         attn[i, : len(s)] = 1
         resp[i, p : len(s)] = True
-    return ids.to(device), attn.to(device), resp.to(device)
+    return ids.to(device), resp.to(device), {"attention_mask": attn.to(device)}
 
 
-PAD_SHARE = 0.05  # with a token budget: a micro-batch is cut before its padding exceeds this share
+def model_inputs(mb: list[dict], args, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    seqs, prompts = [r["tokens"] for r in mb], [r["prompt_len"] for r in mb]
+    return pad_batch(seqs, prompts, args.pad_id, device) if args.padded else pack_batch(seqs, prompts, device)
 
 
-def micro_batches(seq_lens: list[int], max_rows: int | None, max_tokens: int = 0, count: int = 0) -> list[list[int]]:
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention within each sequence of a packed row ([1, heads, N, head_dim]; cu_seq_lens_q: the
+    sequences' cumulative lengths), memory linear in N. CUDA: torch's variable-length flash kernel (GQA
+    native); --deterministic, fp32 or the CPU: each sequence through scaled_dot_product_attention, the math
+    kernel under --deterministic (its backward has no atomics). Rows without cu_seq_lens_q (--padded) go
+    through transformers' SDPA with their mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not deterministic:
+        from torch.nn.attention.varlen import varlen_attn
+
+        m = kwargs["max_length_q"]
+        out = varlen_attn(q, k, v, cu, cu, m, m, scale=scaling, window_size=(-1, 0), enable_gqa=True)
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        bounds = cu.tolist()
+        with sdpa_kernel([SDPBackend.MATH]) if deterministic else contextlib.nullcontext():
+            out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
+                scale=scaling, enable_gqa=True).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])])
+    return out[None], None  # [1, N, heads, head_dim], as transformers' attention functions return
+
+
+def attention_implementation(args) -> str:
+    """The policy's attention: "packed" (packed_attention, registered here), or eager under --padded
+    --deterministic (its backward is plain matmuls, where SDPA's flash and memory-efficient kernels use atomics)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register("packed", packed_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("packed", sdpa_mask)  # --padded rows: SDPA's mask from theirs
+    return "eager" if args.padded and args.deterministic else "packed"
+
+
+def micro_batches(seq_lens: list[int], max_rows: int | None, max_tokens: int = 0, count: int = 0,
+                  packed: bool = True) -> list[list[int]]:
     """The micro-batches of one pass, as index lists: responses sorted by length (prompt + response), cut into
-    runs of at most `max_rows`; with a token budget (max_tokens > 0) also of at most `max_tokens` padded tokens
-    (rows x the longest) and PAD_SHARE of padding, as verl's dynamic batch size. Then the one with most padded
-    tokens is halved until there are `count`: ZeRO-3 gathers the weights in every forward, so every rank
-    must make as many. The gradient is a sum over responses: any partition gives the same one."""
+    runs of at most `max_rows`; with a token budget (max_tokens > 0) also of at most `max_tokens` tokens (packed:
+    their sum; padded: rows x the longest), as verl's dynamic batch size. Then the one with most tokens is halved
+    until there are `count`: ZeRO-3 gathers the weights in every forward, so every rank must make as many. The
+    gradient is a sum over responses: any partition gives the same one."""
     order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
     rows = max_rows or len(order)
-    if not max_tokens:
-        parts = [order[s : s + rows] for s in range(0, len(order), rows)]
-    else:
-        parts, real = [], 0
-        for i in order:
-            n, width = len(parts[-1]) + 1 if parts else 0, seq_lens[i]
-            if not parts or n > rows or n * width > max_tokens or real + width < (1 - PAD_SHARE) * n * width:
-                parts.append([])
-                real = 0
-            parts[-1].append(i)
-            real += width
-    padded = lambda b: len(b) * seq_lens[b[-1]]  # noqa: E731  (each part's last response is its longest)
+    size = (lambda b: sum(seq_lens[i] for i in b)) if packed else (lambda b: len(b) * seq_lens[b[-1]])
+    parts = []
+    for i in order:  # ascending: a padded part's last response is its longest
+        if not parts or len(parts[-1]) == rows or (max_tokens and size(parts[-1] + [i]) > max_tokens):
+            parts.append([])
+        parts[-1].append(i)
     while len(parts) < count:
-        k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: padded(parts[j]))
+        k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: size(parts[j]))
         b = parts[k]
         parts[k : k + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
     return parts
 
 
-def rank_micro_batches(batch: list[dict], max_rows: int | None, max_tokens: int) -> list[list[int]]:
+def rank_micro_batches(batch: list[dict], max_rows: int | None, max_tokens: int, packed: bool) -> list[list[int]]:
     """micro_batches of this rank's responses, as many on every rank (one all-reduce, only with a budget)."""
     lens = [len(r["tokens"]) for r in batch]
-    parts = micro_batches(lens, max_rows, max_tokens)
+    parts = micro_batches(lens, max_rows, max_tokens, packed=packed)
     if max_tokens:
-        parts = micro_batches(lens, max_rows, max_tokens, int(all_reduce([len(parts)], "max").item()))
+        parts = micro_batches(lens, max_rows, max_tokens, int(all_reduce([len(parts)], "max").item()), packed)
     return parts
 
 
@@ -666,10 +727,10 @@ def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
     gather less (docs/step_benchmark.md). Batches are bucketed by length and cut by the token budget (the
     update's: the hidden states of every layer are returned, as many bytes as the update's checkpoints).
     """
-    for idx in rank_micro_batches(rollouts, args.logprob_batch_size, args.micro_batch_tokens):
+    for idx in rank_micro_batches(rollouts, args.logprob_batch_size, args.micro_batch_tokens, not args.padded):
         mb = [rollouts[i] for i in idx]
-        ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
-        lp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk).float().cpu()
+        ids, resp, inputs = model_inputs(mb, args, device)
+        lp = token_logprobs(engine, ids, resp, inputs, args.temperature, args.logprob_chunk).float().cpu()
         for r, x in zip(mb, lp.split([r["length"] for r in mb])):
             r[key] = x
 
@@ -684,13 +745,13 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
     """
     sums, skipped_before = defaultdict(float), engine.skipped_steps
     log_cap = math.log(args.rollout_correction_cap)
-    parts = rank_micro_batches(batch, args.micro_batch_size, args.micro_batch_tokens)
+    parts = rank_micro_batches(batch, args.micro_batch_size, args.micro_batch_tokens, not args.padded)
     for k, idx in enumerate(parts):
         mb = [batch[i] for i in idx]
         # the optimizer steps after the mini-batch's last micro-batch, however many a short step has
         engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
-        ids, attn, resp = pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], args.pad_id, device)
-        logp = token_logprobs(engine, ids, attn, resp, args.temperature, args.logprob_chunk)
+        ids, resp, inputs = model_inputs(mb, args, device)
+        logp = token_logprobs(engine, ids, resp, inputs, args.temperature, args.logprob_chunk)
         n_tok = torch.tensor([r["length"] for r in mb], device=device)
         per_token = lambda x: torch.repeat_interleave(x.to(device), n_tok)  # noqa: E731
         stored = lambda key: torch.cat([r[key] for r in mb]).to(device, logp.dtype)  # noqa: E731
@@ -713,6 +774,7 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
         for k, v in st.items():
             sums[k] += v.float().sum().item()
     sums["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
+    sums["micro_batches"] = len(parts)
     # DeepSpeed's own verdict: it skips the optimizer step when the gradient norm is not finite
     sums["skipped"] = engine.skipped_steps - skipped_before
     return sums
@@ -750,27 +812,87 @@ def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, de
 
 def memory_to_update(llm, engine, args, rank: int) -> None:
     """CUDA, after the rollout: vLLM sleeps at level 2 (weights discarded, not copied to host: the sync
-    reloads them; its KV cache freed), and what is free then sizes the micro-batches (first step)."""
+    reloads them; its KV cache freed), and what is free then sizes the micro-batches (first step of a run;
+    a resumed run keeps the budget its first launch recorded, so --deterministic cuts the same ones)."""
     llm.sleep(level=2)
     torch.cuda.empty_cache()
     if args.micro_batch_tokens is None:
-        args.micro_batch_tokens = token_budget(engine.module.config, torch.cuda.mem_get_info()[0],
-                                               engine.module.is_gradient_checkpointing, args.logprob_chunk)
+        args.micro_batch_tokens, model = measured_budget(engine, args, args.max_prompt_len + args.max_response_len)
         if rank == 0:
-            print(f"[grpo] micro-batches of up to {args.micro_batch_tokens} tokens (--micro-batch-tokens)", flush=True)
+            print(f"[grpo] micro-batches of up to {args.micro_batch_tokens} tokens (--micro-batch-tokens; "
+                  f"{model['per_token'] / 2**20:.2f} MiB a token, {model['fixed'] / 2**30:.1f} GiB fixed: "
+                  "memory_model)", flush=True)
 
 
-def token_budget(config, free_bytes: int, checkpointing: bool, chunk: int) -> int:
-    """--micro-batch-tokens on CUDA by default: half the memory free once the engines hold theirs (vLLM
-    asleep), less the log-prob chunk's fp32 logits (three [chunk x vocab] tensors), over an estimate of the
-    bf16 activations a token keeps: with checkpointing each layer's input (2 h bytes) and one layer being
-    recomputed; without, every layer's (attention and norms ~10 h, MLP ~4 i values). Ranks may differ: each
-    evens out its count of micro-batches with the others (rank_micro_batches)."""
-    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    layer = 2 * (10 * h + 4 * i)
-    per_token = 2 * h * (layers + 2) + layer if checkpointing else layer * layers
-    tokens = (free_bytes // 2 - 12 * chunk * config.vocab_size) // per_token
-    return int(max(tokens, 1024))
+def measured_budget(engine, args, longest: int) -> tuple[int, dict[str, float]]:
+    """CUDA: the token budget (token_budget) for this engine's model, attention and ZeRO-3 settings on the memory
+    free now, and the memory_model it used."""
+    model = memory_model(engine.module.config, engine.module.is_gradient_checkpointing, args.logprob_chunk,
+                         attention_kind(args, cuda=True), longest, torch.distributed.get_world_size(),
+                         engine.zero_max_live_parameters(), engine.zero_reduce_bucket_size())
+    return token_budget(model, torch.cuda.mem_get_info()[0], longest), model
+
+
+def attention_kind(args, cuda: bool) -> str:
+    """The attention kernel the update runs (packed_attention, attention_implementation), as memory_model names
+    it: flash (linear in the tokens), math (each sequence's scores materialised), sdpa-masked (--padded: SDPA
+    with a padding mask) or eager (--padded --deterministic)."""
+    if args.padded:
+        return "eager" if args.deterministic else "sdpa-masked"
+    return "math" if args.deterministic or not cuda else "flash"
+
+
+def memory_model(config, checkpointing: bool, chunk: int, attention: str, longest: int, world: int,
+                 live_params: float = 1e9, reduce_bucket: float = 5e8) -> dict[str, float]:
+    """Bytes a rank holds at the peak of a micro-batch's forward and backward on CUDA (bf16, fp32 norms), as
+    'per_token' (times the micro-batch's tokens) and 'fixed', with the terms they sum. Per token:
+      layer inputs    2 h (L + 1): checkpoints, the same tensors as output_hidden_states, and the final norm;
+      layer(s)        a decoder layer's saved forward, per token: 2 RMSNorms (fp32 input and normed copies,
+                      bf16 output: 10 h each), q, k, v (2 (q + 2 kv)), their rotated copies with rotate_half's
+                      (4 (q + kv)), the attention output (2 q) and its fp32 log-sum-exp (4 heads), o_proj's
+                      output and 2 residual sums (6 h), the MLP's gate, up, act(gate), product (8 i) and
+                      output (2 h); once with checkpointing (the layer recomputed), L times without;
+                      plus its backward's transients: the MLP's 3 gradients (6 i), the norms' fp32 ones (12 h);
+      lm_head         its input rows and their gradient (4 h); per-token scalars (log-probs, losses: 96 B);
+      attention       math / eager: a sequence's [heads, T, T] scores, fp32 softmax and bf16 probabilities
+                      kept (6 B a score) per layer held, and 10 B of work, T <= `longest`: heads x longest x
+                      (6 layers_held + 10) a token; sdpa-masked / eager: keys and values repeated to every head
+                      (4 q per layer held); sdpa-masked: the [T, T] boolean padding mask (longest).
+    Fixed: the log-prob chunk's forward and recomputed backward (bf16 and fp32 logits, exp, the fp32 and bf16
+    gradients: 16 B x chunk x vocab); the gathered embedding and lm_head with their bf16 gradients; ZeRO-3's
+    live parameters (stage3_max_live_parameters, bf16); the fp32 gradient partition (4 P / world) and two
+    reduce buckets (bf16, overlap_comm's double buffer)."""
+    h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * d, kv_heads * d
+    held = 1 if checkpointing else layers
+    layer = 10 * h + 10 * h + 2 * (q + 2 * kv) + 4 * (q + kv) + 2 * q + 4 * heads + 6 * h + 8 * i + 2 * h
+    per_token = {"layer inputs": 2 * h * (layers + 1), "layers": held * layer + 6 * i + 12 * h,
+                 "lm_head": 4 * h + 96}
+    if attention in ("math", "eager"):
+        per_token["attention scores"] = heads * longest * (6 * held + 10)
+    if attention in ("sdpa-masked", "eager"):
+        per_token["repeated keys and values"] = 4 * q * held
+    if attention == "sdpa-masked":
+        per_token["padding mask"] = longest
+    embeddings = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    params = embeddings + layers * (h * q + 2 * h * kv + q + 2 * kv + q * h + 3 * h * i + 2 * h) + h
+    fixed = {"log-prob chunk": 16 * chunk * vocab, "embedding and lm_head": 4 * embeddings,
+             "live parameters": 2 * min(live_params, params), "gradient partition": 4 * params / world,
+             "reduce buckets": 2 * 2 * reduce_bucket}
+    return {**per_token, **fixed, "per_token": sum(per_token.values()), "fixed": sum(fixed.values()),
+            "params": params}
+
+
+MEMORY_SHARE = 0.9  # of the free memory: the caching allocator's fragmentation and what the model leaves out
+
+
+def token_budget(model: dict[str, float], free_bytes: int, longest: int) -> int:
+    """--micro-batch-tokens on CUDA by default: the tokens whose memory_model fits MEMORY_SHARE of the memory free
+    once the engines hold theirs (vLLM asleep), at least one longest sequence. Ranks may differ: each evens out its
+    count of micro-batches with the others (rank_micro_batches)."""
+    return int(max((MEMORY_SHARE * free_bytes - model["fixed"]) // model["per_token"], longest))
 
 
 def nonfinite_weights(engine) -> int:
@@ -1010,8 +1132,7 @@ def build_trainer(args, model_path: str, ds_config: dict):
     cuda = torch.cuda.is_available()
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841  (makes from_pretrained load partitioned)
     dtype = torch.bfloat16 if cuda else torch.float32
-    # --deterministic: eager attention, whose backward is plain matmuls (flash / memory-efficient use atomics)
-    attention = {"attn_implementation": "eager"} if getattr(args, "deterministic", False) else {}
+    attention = {"attn_implementation": attention_implementation(args)}
     try:
         policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attention)
     except Exception as e:  # a damaged or missing weights file, of whatever error type the loader raises
@@ -1143,9 +1264,15 @@ def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list
     return model_path, tokenizer, train_rows, dropped, eval_rows
 
 
-def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tuple[int, list[int], int]:
-    """(step, prompt order, bad-step streak) of the newest checkpoint every rank can load, weights
-    synced into vLLM; (0, [], 0) for a new run. One whose files fail their CRC on any rank: the one before."""
+# the micro-batch sizes a run records (the token budget as measured at its first update) and a resume on the same
+# kind of device reuses, unless its command gives one of them
+SIZE_FLAGS = {"micro_batch_size", "micro_batch_tokens", "logprob_batch_size"}
+
+
+def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tuple[int, list[int], int, dict]:
+    """(step, prompt order, bad-step streak, the micro-batch sizes it recorded) of the newest checkpoint every rank
+    can load, weights synced into vLLM; (0, [], 0, {}) for a new run. One whose files fail their CRC on any rank:
+    the one before."""
     for ckpt in checkpoints:  # newest first
         errors = [e for e in all_gather_objects(damaged_shard(ckpt, rank)) if e]
         if not errors:
@@ -1153,14 +1280,14 @@ def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tu
             sync_weights_to_vllm(engine, llm)
             if rank == 0:
                 print(f"[grpo] resuming from {ckpt} (step {state['step']})", flush=True)
-            return state["step"], state["order"], state["bad_streak"]
+            return state["step"], state["order"], state["bad_streak"], state.get("sizes", {})
         if rank == 0:
             print(f"[grpo] {errors[0]}: " + ("falling back to the previous checkpoint" if ckpt != checkpoints[-1]
                                              else "no earlier checkpoint"), flush=True)
     if checkpoints:
         sys.exit(f"train_grpo.py: error: no checkpoint of {out_dir / 'checkpoints'} could be loaded; "
                  "repair the named file, or use another --output-dir")
-    return 0, [], 0
+    return 0, [], 0, {}
 
 
 def sample_and_score(llm, rows: list[dict], prompt_indices: list[int], n: int, temperature: float, top_p: float,
@@ -1217,7 +1344,12 @@ def main(argv: list[str] | None = None) -> None:
     seeded = rng_state()
     engine, ref_engine, llm = build_engines(args, model_path, ds_config, rank, local_rank)
     set_rng_state(seeded)  # vLLM's worker reseeded Python, NumPy and torch (gpu_worker.py: set_random_seed)
-    start, order, bad_streak = resume(engine, llm, checkpoints, out_dir, rank)
+    start, order, bad_streak, sizes = resume(engine, llm, checkpoints, out_dir, rank)
+    if sizes.pop("device", None) == device.type and not SIZE_FLAGS & set(args.flags_given):
+        vars(args).update(sizes)  # the run's own budget, not measured anew: --deterministic cuts the same micro-batches
+        if rank == 0:
+            print("[grpo] micro-batches as the run recorded them: " + ", ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in sorted(sizes.items())), flush=True)
     if rank == 0:
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
               f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}, policy loss {args.policy_loss} ("
@@ -1273,7 +1405,8 @@ def main(argv: list[str] | None = None) -> None:
         bad_streak = bad_streak + 1 if metrics["train/skipped_updates"] else 0
         stop = bad_streak >= args.max_bad_steps
         if step % args.save_interval == 0 or step == args.steps or stop:
-            state = {"step": step, "order": order, "bad_streak": bad_streak, "run": run_identity(vars(args))}
+            state = {"step": step, "order": order, "bad_streak": bad_streak, "run": run_identity(vars(args)),
+                     "sizes": {"device": device.type, **{k: getattr(args, k) for k in SIZE_FLAGS}}}
             save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
             if rank == 0:  # the arguments that trained these checkpoints
                 (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))

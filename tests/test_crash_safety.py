@@ -137,6 +137,31 @@ def test_keep_last_prunes_states_and_resume_skips_a_damaged_checkpoint(reference
 
 
 @pytest.mark.slow
+def test_a_resume_cuts_the_micro_batches_its_run_recorded(reference_run, tmp_path):
+    # every checkpoint records the sizes its micro-batches were cut by (on CUDA the token budget measured at the
+    # run's first update); a launch that gives none of them goes on with those, not with a budget measured anew
+    out = tmp_path / "run"
+    shutil.copytree(reference_run[0], out)
+    ckpts = out / "checkpoints"
+    state = json.loads((ckpts / "step_000005" / "trainer_state.json").read_text())
+    assert state["sizes"] == {"device": "cpu", "micro_batch_size": 4, "micro_batch_tokens": 0,
+                              "logprob_batch_size": 16}
+    recorded = {"device": "cpu", "micro_batch_size": None, "micro_batch_tokens": 37, "logprob_batch_size": None}
+    (ckpts / "step_000005" / "trainer_state.json").write_text(json.dumps({**state, "sizes": recorded}))
+    flags = dict(zip(RUN[:-1:2], RUN[1::2]))
+    assert RUN == [*(x for kv in flags.items() for x in kv), "--dynamic-sampling"]
+    del flags["--micro-batch-size"]  # the sizes are not given
+    res = deepspeed_run(2, "train_grpo.py", "--output-dir", str(out), *(x for kv in flags.items() for x in kv),
+                        "--dynamic-sampling", "--steps", "6", port=29638)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert ("[grpo] micro-batches as the run recorded them: --logprob-batch-size None, --micro-batch-size None, "
+            "--micro-batch-tokens 37") in res.stdout
+    assert json.loads((ckpts / "step_000006" / "trainer_state.json").read_text())["sizes"] == recorded
+    # 8 responses of about 20-40 tokens per rank and mini-batch: cut by 37 tokens, not by rows of 4
+    assert metrics(out)[6]["train/micro_batches"] > 2 == metrics(out)[5]["train/micro_batches"]
+
+
+@pytest.mark.slow
 def test_non_finite_step_is_skipped_and_too_many_stop_the_run(tmp_path, demo_dir):
     out = tmp_path / "run"
     res = train(out, "--save-interval", "1", "--max-bad-steps", "1", env=cpu_env(GRPO_FAULT_NAN_STEP="2"),

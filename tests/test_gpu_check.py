@@ -4,6 +4,7 @@ one line for what it cannot install); the update path without vLLM (tests/update
 benchmark (bench_step.py --update-only) at a tiny shape."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -47,12 +48,12 @@ def test_version_line_names_the_engine_off_its_pin(tmp_path):
     assert res.returncode != 0 and "--steps must be at least 1" in res.stderr
 
 
-def gpu_check(python: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
+def gpu_check(python: str, tmp_path, cwd=ROOT, **env: str) -> subprocess.CompletedProcess:
     # no pip configuration, and an index that refuses every connection: any download would fail
     base = {"PATH": cpu_env()["PATH"], "HOME": str(tmp_path), "PIP_CONFIG_FILE": "/dev/null",
-            "PIP_INDEX_URL": CLOSED_INDEX}
-    return subprocess.run(["bash", "tests/gpu_check.sh", python], cwd=ROOT, env={**base, **env}, capture_output=True,
-                          text=True, timeout=300)
+            "PIP_INDEX_URL": CLOSED_INDEX, "GPU_CHECK_DEV": str(tmp_path / "dev")}  # no device nodes but the test's
+    return subprocess.run(["bash", str(ROOT / "tests" / "gpu_check.sh"), python], cwd=cwd, env={**base, **env},
+                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow  # gpu_check.sh end to end, its imports and pip: 5-10 s
@@ -79,10 +80,11 @@ def test_gpu_check_says_what_it_cannot_install_and_stops_only_when_nothing_can_r
     res = gpu_check(str(bare / "bin" / "python"), tmp_path, GPU_CHECK_FORCE="1", GPU_CHECK_WHEELS=str(wheels))
     lines = res.stdout.splitlines()
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "torch missing, transformers missing, pytest missing, deepspeed missing, vllm missing" in lines[0]
+    assert ("torch missing, transformers missing, pytest missing, deepspeed missing, vllm missing, math-verify "
+            "missing") in lines[0]
     cannot = [x for x in lines if x.startswith("[gpu check] could not install ")]
     assert [x.split()[5].rstrip(":") for x in cannot] == ["torch==2.13.0", "transformers>=5.16.1,<5.20", "pytest",
-                                                        "deepspeed==0.19.8", "vllm==0.32.0"]
+                                                        "deepspeed==0.19.8", "vllm==0.32.0", "math-verify>=0.8"]
     # the empty wheel directory has none, and no index is asked
     assert all("Could not find a version that satisfies" in x and "(from versions: none)" in x for x in cannot)
     assert lines[-1] == f"[gpu check] error: nothing can run without torch and pytest in {bare / 'bin' / 'python'}"
@@ -121,10 +123,16 @@ def test_update_benchmark_prints_mfu_and_the_forward_only_batch_cuts_gathers(tmp
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] == pytest.approx(r["tflops"] / 0.5)
-    assert f"| MFU | {r['mfu']:.3f} (peak 0.5 TFLOP/s) |" in res.stdout
-    # the CPU's default: micro-batches of 4 length-sorted responses, no token budget; the padding they carry
+    assert "(MFU against a peak of 0.5 TFLOP/s)" in res.stdout
+    # the CPU's default: micro-batches of 4 length-sorted responses, no token budget; packed rows beside padded ones,
+    # the same micro-batches, the padding only in the padded ones
+    packed, padded = r["modes"]["packed"], r["modes"]["padded"]
     assert (r["micro_batch_size"], r["micro_batch_tokens"], r["micro_batches"]) == (4, 0, 4)
-    assert 0 < r["padding_share"] < 0.2 and f"| padding share | {r['padding_share']:.3f} |" in res.stdout
+    assert packed["micro_batches"] == padded["micro_batches"] == 4
+    assert packed["padding_share"] == 0 and 0 < padded["padding_share"] < 0.2
+    assert all(m["tokens_per_s"] > 0 and m["mfu"] > 0 for m in (packed, padded))
+    assert f"| padding share | 0.000 | {padded['padding_share']:.3f} |" in res.stdout
+    assert f"| mfu | {packed['mfu']:.3f} | {padded['mfu']:.3f} |" in res.stdout
     before, after = r["forward_only"]["4"], r["forward_only"]["16"]  # the micro-batch, the trainer's default
     assert (before["passes"], after["passes"]) == (4, 1)
     # every pass gathers every parameter (release forced, as at 7B): 4x fewer passes, 4x less gathered
@@ -168,15 +176,28 @@ def test_gpu_check_installs_from_wheels_whatever_version_torch_reports(tmp_path)
     (torch_dir := Path(site) / "torch").mkdir(parents=True)
     (torch_dir / "__init__.py").write_text('__version__ = "2.13.0+cu130"\n')
     (info := Path(site) / "torch-2.13.0.dist-info").mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0\n")
+    # the node's torch asks for a CUDA library at 13.0.1 while the node holds 13.0.2 (drifted, as a driver update
+    # leaves it): resolving torch again would put 13.0.1 back from the wheels
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0\n"
+                                   "Requires-Dist: nvidia-cudalib==13.0.1\n")
     (info / "RECORD").write_text("torch/__init__.py,,\n")
+    (lib := Path(site) / "nvidia_cudalib-13.0.2.dist-info").mkdir()
+    (lib / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-cudalib\nVersion: 13.0.2\n")
+    (lib / "RECORD").write_text("")
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    fake_wheel(wheels, "deepspeed", PINS["deepspeed"], ["torch>=2.0.0"])
-    res = gpu_check(str(node / "bin" / "python"), tmp_path, GPU_CHECK_FORCE="1", GPU_CHECK_WHEELS=str(wheels))
+    fake_wheel(wheels, "deepspeed", PINS["deepspeed"], ["torch>=2.0.0", "hjson"])
+    fake_wheel(wheels, "hjson", "3.1.0", [])  # a requirement the node lacks: installed beside it
+    fake_wheel(wheels, "nvidia_cudalib", "13.0.1", [])
+    # the wheel directory given relative to the folder the check is run from
+    res = gpu_check(str(node / "bin" / "python"), tmp_path, GPU_CHECK_FORCE="1", GPU_CHECK_WHEELS="wheels",
+                    cwd=tmp_path)
     lines = res.stdout.splitlines()
-    assert "torch 2.13.0+cu130, transformers missing, pytest missing, deepspeed missing, vllm missing" in lines[0]
-    assert f"[gpu check] installed deepspeed=={PINS['deepspeed']}" in lines, res.stdout
+    assert ("torch 2.13.0+cu130, transformers missing, pytest missing, deepspeed missing, vllm missing, "
+            "math-verify missing") in lines[0]
+    assert f"[gpu check] installed deepspeed=={PINS['deepspeed']} with hjson" in lines, res.stdout
+    assert (Path(site) / "hjson" / "__init__.py").exists()
+    assert lib.exists() and not list(Path(site).glob("nvidia_cudalib-13.0.1*"))  # the node's library, untouched
     assert f"deepspeed {PINS['deepspeed']}, vllm missing" in [x for x in lines if "torch 2.13.0+cu130" in x][-1]
     # the node's torch is still its own: held, not replaced
     assert (torch_dir / "__init__.py").read_text() == '__version__ = "2.13.0+cu130"\n' and info.exists()
@@ -197,44 +218,129 @@ def test_gpu_check_fails_on_a_gpu_node_whose_torch_cannot_use_it(tmp_path):
     res = gpu_check(sys.executable, tmp_path, PATH=f"{bin_dir}:{cpu_env()['PATH']}")
     lines = res.stdout.splitlines()
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "[gpu check] GPU 0, NVIDIA H200, 143771 MiB, 580.159.04" in lines
-    assert lines[-1] == (f"[gpu check] error: nvidia-smi sees 1 GPU(s) but torch 2.13.0+cpu in {sys.executable} "
-                         "cannot use them (a CPU build, or a driver older than its CUDA): nothing was checked")
-    assert not any("passed" in x or "skipped" in x for x in lines)  # no test ran to look like a pass
+    assert lines[1:] == ["[gpu check] GPU 0, NVIDIA H200, 143771 MiB, 580.159.04",
+                         f"[gpu check] error: nvidia-smi shows 1 GPU(s) but torch 2.13.0+cpu in {sys.executable} "
+                         "cannot use them (a CPU build, or a driver older than its CUDA): nothing was checked"]
+    # nothing installed, no test ran to look like a pass; and the same without nvidia-smi where the driver's
+    # device nodes exist
+    (tmp_path / "dev").mkdir()
+    for node in ("nvidia0", "nvidia1", "nvidiactl"):
+        (tmp_path / "dev" / node).touch()
+    res = gpu_check(sys.executable, tmp_path)
+    assert res.returncode == 1 and res.stdout.splitlines()[1:] == [
+        f"[gpu check] error: {tmp_path / 'dev'}/nvidia* shows 2 GPU(s) but torch 2.13.0+cpu in {sys.executable} "
+        "cannot use them (a CPU build, or a driver older than its CUDA): nothing was checked"], res.stdout
+
+
+@pytest.mark.slow  # gpu_check.sh's imports and the GPU tests' collection: 5-10 s
+def test_gpu_check_names_every_package_whose_absence_skipped_a_test(tmp_path):
+    # math-verify installed but broken (it does not import): the rollout checks need it as much as vLLM
+    (shadow := tmp_path / "shadow" / "math_verify").mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    (tmp_path / "from here").mkdir()
+    python = os.path.relpath(sys.executable, tmp_path / "from here")  # relative to the caller's folder
+    res = gpu_check(python, tmp_path, cwd=tmp_path / "from here", PYTHONPATH=str(tmp_path / "shadow"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"deepspeed {PINS['deepspeed']}, vllm {PINS['vllm']}, math-verify missing" in res.stdout.splitlines()[0]
+    assert ("[gpu check] skipped, not failed: the rollout and weight-sync checks (not installed in "
+            f"{tmp_path / 'from here' / python}: math-verify)") in res.stdout.splitlines()
+    assert "math_verify not installed (requirements.txt): the rollout and weight-sync checks need them" in res.stdout
 
 
 def test_micro_batches_by_token_budget():
     from bench_step import padding_share, synthetic_rollouts
-    from train_grpo import PAD_SHARE, micro_batches
+    from train_grpo import micro_batches
 
-    rollouts = synthetic_rollouts(32, 512, 1536, 1000, seed=0)  # bench_step --update-only's defaults
+    rollouts = synthetic_rollouts(64, 512, 1536, 1000, seed=0)  # GRPO-like lengths: 768-2048 tokens
     lens = [len(r["tokens"]) for r in rollouts]
-    # no budget (the CPU's default): length-sorted runs of --micro-batch-size, as before the budget existed
-    order = sorted(range(32), key=lens.__getitem__)
-    assert micro_batches(lens, 4) == [order[i : i + 4] for i in range(0, 32, 4)]
-    for budget in (4096, 16384, 10**6):
-        parts = micro_batches(lens, None, budget)
-        assert sorted(i for b in parts for i in b) == list(range(32))  # every response once
-        assert all(len(b) == 1 or len(b) * lens[b[-1]] <= budget for b in parts)
-        assert padding_share(rollouts, None, budget) <= PAD_SHARE
-        assert all(1 - sum(lens[i] for i in b) / (len(b) * lens[b[-1]]) <= PAD_SHARE for b in parts)
-    assert len(micro_batches(lens, None, 10**6)) < 8  # a large budget: fewer, larger micro-batches than 4 rows
-    assert padding_share(rollouts, 4) <= PAD_SHARE
-    # evened out to another rank's count by halving the most padded, each response still once
+    # no budget (the CPU's default): length-sorted runs of --micro-batch-size, packed or padded alike
+    order = sorted(range(64), key=lens.__getitem__)
+    assert micro_batches(lens, 4) == micro_batches(lens, 4, packed=False) == [order[i : i + 4] for i in range(0, 64, 4)]
+    for budget in (4096, 16384, 40_000, 10**6):
+        packed, padded = micro_batches(lens, None, budget), micro_batches(lens, None, budget, packed=False)
+        for parts in (packed, padded):
+            assert sorted(i for b in parts for i in b) == list(range(64))  # every response once
+        # cut by the budget alone: each part is within it, and no two neighbours would fit in one
+        assert all(len(b) == 1 or sum(lens[i] for i in b) <= budget for b in packed)
+        assert all(sum(lens[i] for i in a + b) > budget for a, b in zip(packed, packed[1:]))
+        assert all(len(b) == 1 or len(b) * lens[b[-1]] <= budget for b in padded)
+        assert all(len(a + b) * lens[b[-1]] > budget for a, b in zip(padded, padded[1:]))
+        # so any two neighbours hold more than the budget: at most 2 sum / budget + 1 micro-batches
+        assert len(packed) <= 2 * sum(lens) / budget + 1 and len(packed) <= len(padded)
+    # 105k tokens: 3 micro-batches at 40k, 1 at 1M (the former 5% padding cap cut 5 at either)
+    assert (len(micro_batches(lens, None, 40_000)), len(micro_batches(lens, None, 10**6))) == (3, 1)
+    assert padding_share(rollouts, None, 10**6, padded=False) == 0 < padding_share(rollouts, None, 10**6)
+    # evened out to another rank's count by halving the largest, each response still once
     parts = micro_batches(lens, None, 10**6, count=13)
-    assert len(parts) == 13 and sorted(i for b in parts for i in b) == list(range(32))
+    assert len(parts) == 13 and sorted(i for b in parts for i in b) == list(range(64))
     assert micro_batches([5] * 3, None, 100, count=3) == [[0], [1], [2]]
 
 
-def test_token_budget_is_sized_from_free_memory():
+# Qwen2.5's shapes, counted by hand: the bytes one token of a micro-batch holds at the update's peak (bf16,
+# gradient checkpointing, flash attention), tensor by tensor, and the fixed bytes at log-prob chunk 1024 on 8 ranks.
+#   h, i, L, heads, kv heads, head dim, vocab, tied embeddings
+HAND = {
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 128, 151_936, True),
+    "qwen2.5-3b": (2048, 11008, 36, 16, 2, 128, 151_936, True),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, 128, 152_064, False),
+}
+
+
+def hand_count(h, i, L, heads, kv_heads, d, vocab, tied):
+    q, kv = heads * d, kv_heads * d
+    tensors = [  # (what, elements per token, bytes per element)
+        ("checkpointed layer inputs and the final norm's output", (L + 1) * h, 2),
+        ("input norm: fp32 copy, fp32 normed, bf16 output", h, 4 + 4 + 2),
+        ("q, k, v", q + 2 * kv, 2), ("rotated q, k", q + kv, 2), ("rotate_half(q), rotate_half(k)", q + kv, 2),
+        ("attention output", q, 2), ("its log-sum-exp", heads, 4), ("o_proj output, 2 residual sums", 3 * h, 2),
+        ("post-attention norm", h, 4 + 4 + 2), ("gate, up, act(gate), act(gate) * up", 4 * i, 2),
+        ("down's output", h, 2),
+        ("backward: grads of 3 MLP intermediates", 3 * i, 2), ("backward: norms' fp32 grads", 3 * h, 4),
+        ("lm_head input rows and their gradient", 2 * h, 2), ("log-probs, losses, weights", 24, 4),
+    ]
+    embeddings = vocab * h * (1 if tied else 2)
+    params = embeddings + L * (q * h + 2 * kv * h + q + 2 * kv + h * q + 3 * h * i + 2 * h) + h
+    fixed = 16 * 1024 * vocab + 4 * embeddings + 2 * min(1e9, params) + 4 * params / 8 + 2 * 2 * 5e7
+    return sum(n * b for _, n, b in tensors), fixed, params
+
+
+@pytest.mark.parametrize("shape", HAND)
+def test_memory_model_counts_what_a_micro_batch_holds(shape):
     from types import SimpleNamespace
 
     from bench_step import SHAPES
-    from train_grpo import token_budget
+    from train_grpo import memory_model, token_budget
 
-    cfg = SimpleNamespace(**SHAPES["qwen2.5-3b"])
+    cfg = SimpleNamespace(**SHAPES[shape])
+    h, i, L, heads, kv_heads, d, vocab, tied = HAND[shape]
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size) == (h, i, L, vocab)
+    per_token, fixed, params = hand_count(*HAND[shape])
+    m = memory_model(cfg, True, 1024, "flash", 4096, 8, 1e9, 5e7)
+    assert (m["per_token"], m["fixed"], m["params"]) == (per_token, fixed, params)
+    # the parameter count is the model's (Qwen2.5-1.5B: 1.54B, 3B: 3.09B, 7B: 7.62B)
+    assert round(params / 1e9, 2) == {"qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62}[shape]
+    # the attention kernels: the scores of the eager and math paths grow with the longest sequence (6 B kept in the
+    # recomputed layer, 10 B of work, a score); SDPA with a padding mask repeats keys and values to every head
+    # and holds a boolean [T, T] mask
+    scores, repeated = heads * 4096 * 16, 4 * heads * d
+    at = {kind: memory_model(cfg, True, 1024, kind, 4096, 8, 1e9, 5e7)["per_token"] for kind in
+          ("math", "eager", "sdpa-masked")}
+    assert at == {"math": per_token + scores, "eager": per_token + scores + repeated,
+                  "sdpa-masked": per_token + repeated + 4096}
+    # without checkpointing every layer keeps its forward
+    assert memory_model(cfg, False, 1024, "flash", 4096, 8, 1e9, 5e7)["per_token"] > L / 3 * per_token
+
     gib = 2**30
-    with_ckpt, without = token_budget(cfg, 80 * gib, True, 1024), token_budget(cfg, 80 * gib, False, 1024)
-    assert without < with_ckpt  # every layer's activations against one layer's
-    assert 50_000 < with_ckpt < 500_000 and token_budget(cfg, 160 * gib, True, 1024) > 1.9 * with_ckpt
-    assert token_budget(cfg, 1 * gib, True, 1024) == 1024  # never below one long response's worth
+    for free in (40 * gib, 80 * gib, 139 * gib):
+        for kind in ("flash", "math", "eager", "sdpa-masked"):
+            model = memory_model(cfg, True, 1024, kind, 4096, 8, 1e9, 5e7)
+            budget = token_budget(model, free, 4096)
+            # at the default budget a micro-batch fits 90% of the free memory, and one token more would not
+            assert budget > 4096 and model["fixed"] + budget * model["per_token"] <= 0.9 * free
+            assert model["fixed"] + (budget + 1) * model["per_token"] > 0.9 * free
+    # --deterministic (math or eager scores): the former estimate, with no term for the scores, gave a budget whose
+    # eager attention alone needs more than the whole device
+    former = (80 * gib // 2 - 12 * 1024 * vocab) // (2 * h * (L + 2) + 2 * (10 * h + 4 * i))
+    assert former * memory_model(cfg, True, 1024, "eager", 4096, 8, 1e9, 5e7)["per_token"] > 80 * gib
+    # never below one longest sequence: a micro-batch holds at least one
+    assert token_budget(memory_model(cfg, True, 1024, "flash", 4096, 8, 1e9, 5e7), 1 * gib, 4096) == 4096

@@ -74,3 +74,19 @@ def test_the_cases_give_different_gradients(deltas):
             assert not torch.allclose(flat[a], flat[b], rtol=1e-3, atol=1e-7), (a, b)
     # the off-policy batches clip: ppo and gspo drop some tokens' gradients, cispo truncates some weights
     assert all(deltas[1][c]["clipped"] > 0 for c in ("balanced", "gspo", "cispo"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_rows_give_the_padded_logprobs_and_gradient(case, deltas):
+    # every rule, policy loss and dynamic-sampling case, on 1 rank (one micro-batch of 16) and 2 (micro-batches
+    # of one response): packed rows (the default) against right-padded ones (--padded), on the same model code
+    for world in (1, 2):
+        packed, padded = deltas[world][case], deltas[world][f"{case}-padded"]
+        assert padded["padded"] and not packed["padded"]
+        # per-token log-probs of the same responses: fp32 attention summed in another order (one sequence alone
+        # against a masked row) moves a log-prob of magnitude ~10 by a few ulps (eps x 10 = 1.2e-6); attention
+        # that crossed into a neighbouring sequence moves it by 1e-2 and more (tests/test_packing.py)
+        assert packed["logp"].shape == padded["logp"].shape and len(packed["logp"]) > 100
+        atol = 8 * torch.finfo(torch.float32).eps * float(padded["logp"].abs().max())
+        torch.testing.assert_close(packed["logp"], padded["logp"], rtol=0, atol=atol)
+        assert_same_gradient(padded, packed)

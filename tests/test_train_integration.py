@@ -14,7 +14,7 @@ FLAGS = ["--steps", str(STEPS), "--prompts-per-step", "8", "--group-size", "4", 
 EXPECTED = ["reward/mean", "reward/accuracy", "loss/pg", "loss/clip_frac", "loss/approx_kl", "loss/grad_norm", "lr",
             "length/mean", "length/max", "length/cv", "length/pos_neg_gap", "groups/zero_var_share",
             "length/truncation_rate", "time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync",
-            "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/update_tflops"]
+            "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/update_tflops", "train/micro_batches"]
 MISMATCH = ["rollout/mismatch_abs", "rollout/mismatch_kl", "rollout/mismatch_out_share", "rollout/correction_mean"]
 
 

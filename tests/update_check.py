@@ -128,7 +128,7 @@ def main() -> None:
     dist.barrier()
     args = T.parse_args(["--model", str(model_dir), "--output-dir", str(out / "run"), "--group-size", "4",
                          "--prompts-per-step", str(a.prompts_per_rank * world), "--minibatches", "2",
-                         "--micro-batch-size", "2", "--logprob-chunk", "64", "--kl-coef", "0.01",
+                         "--logprob-chunk", "64", "--kl-coef", "0.01",
                          "--gradient-checkpointing", "--lr", "1e-5", "--lr-warmup-steps", "0",
                          "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len)]
                         + ["--deterministic"] * a.deterministic
@@ -139,9 +139,10 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     engine, ref_engine = T.build_trainer(args, str(model_dir), T.deepspeed_config(args, world))
+    memory = None
     if args.micro_batch_tokens is None:  # CUDA: as the trainer sizes it at its first update
-        args.micro_batch_tokens = T.token_budget(engine.module.config, torch.cuda.mem_get_info()[0],
-                                                 engine.module.is_gradient_checkpointing, args.logprob_chunk)
+        args.micro_batch_tokens, memory = T.measured_budget(engine, args, a.prompt_len + a.response_len)
+    held = torch.cuda.memory_allocated() if cuda else 0
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     optimizer = engine.optimizer.optimizer
     result = {"rank": rank, "world": world, "shape": a.shape, "device": str(device),
@@ -180,6 +181,11 @@ def main() -> None:
         update(engine, ref_engine, args, 2, rank, device)
         result["faults"][fault] = relative_distance(master_weights(engine), after, saved)
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    result["micro_batches"] = first["micro_batches"] / args.minibatches
+    if memory is not None:  # the memory model's bound: the states held, its fixed bytes, a largest micro-batch
+        per_minibatch = args.prompts_per_step // world * args.group_size // args.minibatches
+        largest = min(args.micro_batch_tokens, per_minibatch * (a.prompt_len + a.response_len))
+        result["predicted_peak_gib"] = (held + memory["fixed"] + memory["per_token"] * largest) / 2**30
     (out / f"update_check_rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         print(f"[update check] {a.shape} ({result['params'] / 1e9:.2f}B parameters), {world} rank(s) on "
@@ -187,7 +193,8 @@ def main() -> None:
               f"responses; resume: weight diff {result['redone_diff']:.2e} for a change of {change:.2e}, relative "
               f"{result['redo_rel']:.2e} (at most {REDO_TOLERANCE}; broken resumes: "
               + ", ".join(f"{k} {v:.2f}" for k, v in result["faults"].items()) + ")"
-              + (f"; peak memory {result['peak_gib']:.1f} GiB" if cuda else ""), flush=True)
+              + (f"; peak memory {result['peak_gib']:.1f} GiB" if cuda else "")
+              + (f" (memory_model: at most {result['predicted_peak_gib']:.1f} GiB)" if memory else ""), flush=True)
     dist.barrier()
 
 

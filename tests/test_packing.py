@@ -1,0 +1,95 @@
+"""Packed micro-batches on the real model code (transformers' Qwen2, the demo policy), without DeepSpeed: one row
+of sequences back to back gives each sequence the log-probs and gradient it has alone in a padded row.
+tests/test_invariance.py holds the same through the trainer's ZeRO-3 update, for every rule and loss, 1 and 2 ranks."""
+
+import argparse
+
+import pytest
+import torch
+
+import train_grpo
+
+LENGTHS = (7, 19, 3, 12, 1)  # response tokens; each after a 5-token prompt
+
+
+@pytest.fixture(scope="module")
+def policy(demo_dir):
+    from transformers import AutoModelForCausalLM
+
+    args = argparse.Namespace(padded=False, deterministic=False)
+    model = AutoModelForCausalLM.from_pretrained(demo_dir / "model", dtype=torch.float32,
+                                                 attn_implementation=train_grpo.attention_implementation(args))
+    model.module = model  # token_logprobs reads the lm_head of a DeepSpeed engine's .module
+    return model
+
+
+def batch(vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    return [{"tokens": torch.randint(1, vocab, (5 + n,), generator=g).tolist(), "prompt_len": 5, "length": n}
+            for n in LENGTHS]
+
+
+def logprobs_and_grad(model, mb: list[dict], padded: bool, **packed_inputs):
+    args = argparse.Namespace(padded=padded, pad_id=0)
+    model.zero_grad()
+    ids, resp, inputs = train_grpo.model_inputs(mb, args, torch.device("cpu"))
+    inputs.update(packed_inputs)
+    logp = train_grpo.token_logprobs(model, ids, resp, inputs, 1.0, 7)
+    (logp * torch.linspace(-1, 1, len(logp))).sum().backward()  # any per-token weights: a loss's gradient
+    return logp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_pack_batch_restarts_positions_and_bounds_each_sequence():
+    ids, resp, inputs = train_grpo.pack_batch([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [2, 1, 3], torch.device("cpu"))
+    assert ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and inputs["max_length_q"] == 4
+    assert inputs["cu_seq_lens_q"].dtype == torch.int32  # what the flash kernel takes
+    # the response tokens; a sequence's first token is a prompt's, so none is predicted across a boundary
+    assert resp.tolist() == [[False, False, True, False, True, False, False, False, True]]
+    with pytest.raises(AssertionError):
+        train_grpo.pack_batch([[1, 2]], [0], torch.device("cpu"))
+
+
+def test_packed_row_equals_padded_rows(policy):
+    mb = batch(policy.config.vocab_size)
+    packed_lp, packed_grad = logprobs_and_grad(policy, mb, padded=False)
+    padded_lp, padded_grad = logprobs_and_grad(policy, mb, padded=True)
+    assert len(packed_lp) == sum(LENGTHS)
+    # fp32 attention summed in another order: a few ulps of the largest log-prob (justified in test_invariance)
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(packed_lp, padded_lp, rtol=0, atol=8 * eps * float(padded_lp.abs().max()))
+    torch.testing.assert_close(packed_grad, padded_grad, rtol=1e-4, atol=1e-5 * float(padded_grad.abs().max()))
+
+    # the tolerance sees attention that crosses into the previous sequence: the same packed row with its
+    # boundaries forgotten (one causal sequence of them all) moves the later sequences' log-probs far past it
+    n = sum(5 + k for k in LENGTHS)
+    crossing, _ = logprobs_and_grad(policy, mb, padded=False, cu_seq_lens_q=torch.tensor([0, n], dtype=torch.int32),
+                                    cu_seq_lens_k=torch.tensor([0, n], dtype=torch.int32), max_length_q=n)
+    first = LENGTHS[0]
+    assert torch.equal(crossing[:first], packed_lp[:first])  # the first sequence attends to nothing before it
+    assert (crossing[first:] - padded_lp[first:]).abs().max() > 1e3 * 8 * eps * float(padded_lp.abs().max())
+
+
+def test_deterministic_packed_attention_is_the_math_kernel_and_repeats_bit_for_bit(policy):
+    mb = batch(policy.config.vocab_size)
+    default_lp, _ = logprobs_and_grad(policy, mb, padded=False)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [logprobs_and_grad(policy, mb, padded=False) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(runs[0][0], default_lp, rtol=0, atol=8 * eps * float(default_lp.abs().max()))
+
+
+def test_attention_kind_names_the_kernel_the_memory_model_counts():
+    def kind(padded, deterministic, cuda):
+        return train_grpo.attention_kind(argparse.Namespace(padded=padded, deterministic=deterministic), cuda)
+
+    assert [kind(False, False, True), kind(False, True, True), kind(False, False, False)] == ["flash", "math", "math"]
+    assert [kind(True, False, True), kind(True, True, True)] == ["sdpa-masked", "eager"]
+    assert train_grpo.attention_implementation(argparse.Namespace(padded=True, deterministic=True)) == "eager"
+    assert train_grpo.attention_implementation(argparse.Namespace(padded=False, deterministic=True)) == "packed"
