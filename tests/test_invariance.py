@@ -86,7 +86,7 @@ def test_packed_rows_give_the_padded_logprobs_and_gradient(case, deltas):
         # per-token log-probs of the same responses: fp32 attention summed in another order (one sequence alone
         # against a masked row) moves a log-prob of magnitude ~10 by a few ulps (eps x 10 = 1.2e-6); attention
         # that crossed into a neighbouring sequence moves it by 1e-2 and more (tests/test_packing.py)
-        assert packed["logp"].shape == padded["logp"].shape and len(packed["logp"]) > 100
+        assert packed["logp"].shape == padded["logp"].shape and len(packed["logp"]) > 40  # rank 0's responses
         atol = 8 * torch.finfo(torch.float32).eps * float(padded["logp"].abs().max())
         torch.testing.assert_close(packed["logp"], padded["logp"], rtol=0, atol=atol)
         assert_same_gradient(padded, packed)
