@@ -515,7 +515,7 @@ def update_benchmark(args) -> None:
     for mode in ("packed", "padded"):  # the same engine, responses and budget rule; only the rows differ
         args.padded = mode == "padded"
         memory = T.memory_model(config, args.gradient_checkpointing, args.logprob_chunk, T.attention_kind(args, cuda),
-                                max(lens), world, engine.zero_max_live_parameters(), engine.zero_reduce_bucket_size())
+                                max(lens), engine.zero_max_live_parameters())
         held = torch.cuda.memory_allocated() if cuda else 0  # the ZeRO-3 states, outside the model's count
         if budget_given is None:  # CUDA: as the trainer sizes it at its first update
             args.micro_batch_tokens = T.token_budget(memory, torch.cuda.mem_get_info()[0], max(lens))

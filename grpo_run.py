@@ -213,11 +213,12 @@ def pin_mismatch(installed: dict[str, str | None]) -> str | None:
 # The run directory: one writer, the run's identity, what --resume may change
 
 
-# may differ between the launches of one run (the directory is the run, wherever it is)
+# may differ between the launches of one run (the directory is the run, wherever it is); from peak_tflops on:
+# memory, speed, kernels (packed or padded rows), the flags typed
 RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
                     "keep_last", "max_bad_steps", "output_dir", "report_to", "peak_tflops", "vllm_gpu_memory",
                     "vllm_max_num_seqs", "logprob_batch_size", "micro_batch_tokens",
-                    "deterministic", "flags_given"}  # from peak_tflops on: memory, speed, kernels, the flags typed
+                    "deterministic", "padded", "flags_given"}
 
 
 # Flags added after runs were made, with the value such a run was trained with where today's default differs:

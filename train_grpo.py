@@ -566,6 +566,9 @@ def token_logprobs(
     # own lm_head runs on an empty slice (ZeRO-3 still gathers lm_head for that call; the logits
     # are computed in chunks below). DeepSpeed hooks that output, so its backward prologue runs
     # (ZeRO-3 gradient-accumulation bookkeeping, the accumulation-boundary flag offload reads).
+    if "cu_seq_lens_q" in inputs:  # packed: a mask of None for each kind of layer, or transformers builds N x N ones
+        kinds = getattr(engine.module.config, "layer_types", None) or ["full_attention"]
+        inputs = {**inputs, "attention_mask": dict.fromkeys(kinds, None)}
     out = engine(input_ids=input_ids, **inputs, use_cache=False, output_hidden_states=True,
                  logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
     predict = response_mask[:, 1:]  # position t predicts token t+1 (of its own sequence: pack_batch)
@@ -621,10 +624,8 @@ def pack_batch(seqs: list[list[int]], prompt_lens: list[int], device) -> tuple[t
     resp = torch.cat([torch.arange(n) >= p for n, p in zip(lens, prompt_lens)])
     positions = torch.cat([torch.arange(n) for n in lens])
     cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    # every layer's attention is one kind: a dict of its masks stops transformers from building an N x N mask
-    inputs = dict(position_ids=positions[None].to(device), attention_mask={"full_attention": None},
-                  cu_seq_lens_q=cu.to(device), cu_seq_lens_k=cu.to(device), max_length_q=max(lens),
-                  max_length_k=max(lens))
+    inputs = dict(position_ids=positions[None].to(device), cu_seq_lens_q=cu.to(device), cu_seq_lens_k=cu.to(device),
+                  max_length_q=max(lens), max_length_k=max(lens))
     return ids[None].to(device), resp[None].to(device), inputs
 
 
@@ -658,12 +659,15 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if cu is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("packed rows attend to whole sequences, not a sliding window: train this model with --padded")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not deterministic:
+    if flash_kernel_applies(q):
         from torch.nn.attention.varlen import varlen_attn
 
-        m = kwargs["max_length_q"]
+        m = kwargs["max_length_q"]  # contiguous [N, heads, head_dim], as the kernel's examples lay them out
+        q, k, v = (x.contiguous() for x in (q, k, v))
         out = varlen_attn(q, k, v, cu, cu, m, m, scale=scaling, window_size=(-1, 0), enable_gqa=True)
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -674,6 +678,11 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                 q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
                 scale=scaling, enable_gqa=True).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])])
     return out[None], None  # [1, N, heads, head_dim], as transformers' attention functions return
+
+
+def flash_kernel_applies(q: torch.Tensor) -> bool:
+    """torch's variable-length flash kernel runs half precision on CUDA; not under --deterministic (atomics)."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not torch.are_deterministic_algorithms_enabled()
 
 
 def attention_implementation(args) -> str:
@@ -828,8 +837,7 @@ def measured_budget(engine, args, longest: int) -> tuple[int, dict[str, float]]:
     """CUDA: the token budget (token_budget) for this engine's model, attention and ZeRO-3 settings on the memory
     free now, and the memory_model it used."""
     model = memory_model(engine.module.config, engine.module.is_gradient_checkpointing, args.logprob_chunk,
-                         attention_kind(args, cuda=True), longest, torch.distributed.get_world_size(),
-                         engine.zero_max_live_parameters(), engine.zero_reduce_bucket_size())
+                         attention_kind(args, cuda=True), longest, engine.zero_max_live_parameters())
     return token_budget(model, torch.cuda.mem_get_info()[0], longest), model
 
 
@@ -842,8 +850,8 @@ def attention_kind(args, cuda: bool) -> str:
     return "math" if args.deterministic or not cuda else "flash"
 
 
-def memory_model(config, checkpointing: bool, chunk: int, attention: str, longest: int, world: int,
-                 live_params: float = 1e9, reduce_bucket: float = 5e8) -> dict[str, float]:
+def memory_model(config, checkpointing: bool, chunk: int, attention: str, longest: int,
+                 live_params: float = 1e9) -> dict[str, float]:
     """Bytes a rank holds at the peak of a micro-batch's forward and backward on CUDA (bf16, fp32 norms), as
     'per_token' (times the micro-batch's tokens) and 'fixed', with the terms they sum. Per token:
       layer inputs    2 h (L + 1): checkpoints, the same tensors as output_hidden_states, and the final norm;
@@ -856,12 +864,14 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
       lm_head         its input rows and their gradient (4 h); per-token scalars (log-probs, losses: 96 B);
       attention       math / eager: a sequence's [heads, T, T] scores, fp32 softmax and bf16 probabilities
                       kept (6 B a score) per layer held, and 10 B of work, T <= `longest`: heads x longest x
-                      (6 layers_held + 10) a token; sdpa-masked / eager: keys and values repeated to every head
+                      (6 layers_held + 10) a token; flash: the kernel's contiguous copies of q, k, v
+                      (2 (q + 2 kv) per layer held); sdpa-masked / eager: keys and values repeated to every head
                       (4 q per layer held); sdpa-masked: the [T, T] boolean padding mask (longest).
     Fixed: the log-prob chunk's forward and recomputed backward (bf16 and fp32 logits, exp, the fp32 and bf16
     gradients: 16 B x chunk x vocab); the gathered embedding and lm_head with their bf16 gradients; ZeRO-3's
-    live parameters (stage3_max_live_parameters, bf16); the fp32 gradient partition (4 P / world) and two
-    reduce buckets (bf16, overlap_comm's double buffer)."""
+    live parameters (stage3_max_live_parameters, bf16). Not counted: what ZeRO-3 allocates with the engine and
+    the free memory already lacks (the fp32 gradient partition, the reduce bucket, the optimizer's states:
+    zero/stage3.py)."""
     h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // heads
@@ -870,6 +880,8 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
     layer = 10 * h + 10 * h + 2 * (q + 2 * kv) + 4 * (q + kv) + 2 * q + 4 * heads + 6 * h + 8 * i + 2 * h
     per_token = {"layer inputs": 2 * h * (layers + 1), "layers": held * layer + 6 * i + 12 * h,
                  "lm_head": 4 * h + 96}
+    if attention == "flash":
+        per_token["contiguous q, k, v"] = 2 * (q + 2 * kv) * held
     if attention in ("math", "eager"):
         per_token["attention scores"] = heads * longest * (6 * held + 10)
     if attention in ("sdpa-masked", "eager"):
@@ -879,8 +891,7 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
     embeddings = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
     params = embeddings + layers * (h * q + 2 * h * kv + q + 2 * kv + q * h + 3 * h * i + 2 * h) + h
     fixed = {"log-prob chunk": 16 * chunk * vocab, "embedding and lm_head": 4 * embeddings,
-             "live parameters": 2 * min(live_params, params), "gradient partition": 4 * params / world,
-             "reduce buckets": 2 * 2 * reduce_bucket}
+             "live parameters": 2 * min(live_params, params)}
     return {**per_token, **fixed, "per_token": sum(per_token.values()), "fixed": sum(fixed.values()),
             "params": params}
 

@@ -93,3 +93,61 @@ def test_attention_kind_names_the_kernel_the_memory_model_counts():
     assert [kind(True, False, True), kind(True, True, True)] == ["sdpa-masked", "eager"]
     assert train_grpo.attention_implementation(argparse.Namespace(padded=True, deterministic=True)) == "eager"
     assert train_grpo.attention_implementation(argparse.Namespace(padded=False, deterministic=True)) == "packed"
+
+
+def test_the_cuda_branch_calls_torchs_varlen_kernel_as_documented(policy, monkeypatch):
+    """What differs on CUDA, simulated on the CPU: packed_attention's flash branch hands torch.nn.attention.varlen's
+    kernel what torch 2.13 documents (nn/attention/varlen.py), and a kernel that keeps that contract, here
+    scaled_dot_product_attention per sequence, gives the padded rows' log-probs and gradient."""
+    import torch.nn.attention.varlen as varlen
+
+    calls = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False, **rest):
+        # [T, heads, head_dim] tensors (contiguous), int32 cumulative lengths ending at T, the longest sequence,
+        # causal as window (-1, 0), grouped-query attention by flag, nothing else asked
+        assert q.dim() == k.dim() == v.dim() == 3 and all(x.is_contiguous() for x in (q, k, v))
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and torch.equal(cu_q, cu_k) and cu_q[-1] == q.shape[0]
+        assert max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+        assert window_size == (-1, 0) and enable_gqa and q.shape[1] % k.shape[1] == 0 and not rest
+        assert scale == policy.model.layers[0].self_attn.scaling
+        calls.append(tuple(q.shape))
+        bounds = cu_q.tolist()
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True, scale=scale,
+            enable_gqa=True).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])])
+
+    monkeypatch.setattr(varlen, "varlen_attn", kernel)
+    monkeypatch.setattr(train_grpo, "flash_kernel_applies", lambda q: True)
+    mb = batch(policy.config.vocab_size)
+    lp, grad = logprobs_and_grad(policy, mb, padded=False)
+    n = sum(5 + k for k in LENGTHS)
+    heads = policy.config.num_attention_heads
+    assert calls == [(n, heads, policy.config.head_dim)] * policy.config.num_hidden_layers  # one call a layer
+    monkeypatch.undo()
+    padded_lp, padded_grad = logprobs_and_grad(policy, mb, padded=True)
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(lp, padded_lp, rtol=0, atol=8 * eps * float(padded_lp.abs().max()))
+    torch.testing.assert_close(grad, padded_grad, rtol=1e-4, atol=1e-5 * float(padded_grad.abs().max()))
+
+
+def test_the_measured_budget_reads_the_engine_as_deepspeed_names_it(monkeypatch):
+    """memory_to_update's sizing on CUDA, simulated: the engine's ZeRO-3 live-parameter limit by DeepSpeed's own
+    accessor, the free memory from torch.cuda.mem_get_info."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from bench_step import SHAPES
+
+    assert callable(DeepSpeedEngine.zero_max_live_parameters)
+    config = SimpleNamespace(**SHAPES["qwen2.5-3b"])
+    engine = SimpleNamespace(module=SimpleNamespace(config=config, is_gradient_checkpointing=True),
+                             zero_max_live_parameters=lambda: 2 * 10**8)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * 2**30, 141 * 2**30))
+    for deterministic in (False, True):
+        args = argparse.Namespace(logprob_chunk=1024, padded=False, deterministic=deterministic)
+        budget, model = train_grpo.measured_budget(engine, args, 4096)
+        assert model == train_grpo.memory_model(config, True, 1024, "math" if deterministic else "flash", 4096, 2e8)
+        assert budget == train_grpo.token_budget(model, 80 * 2**30, 4096)
+        assert model["fixed"] + budget * model["per_token"] <= 0.9 * 80 * 2**30
