@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 import train_grpo as T
-from grpo_run import check_finite, is_hub_id, model_dir_problem
+from grpo_run import check_finite, is_hub_id, memory_model, model_dir_problem, token_budget
 
 ROOT = Path(__file__).resolve().parent
 _KEEP: list = []
@@ -514,11 +514,11 @@ def update_benchmark(args) -> None:
     modes = {}
     for mode in ("packed", "padded"):  # the same engine, responses and budget rule; only the rows differ
         args.padded = mode == "padded"
-        memory = T.memory_model(config, args.gradient_checkpointing, args.logprob_chunk, T.attention_kind(args, cuda),
+        memory = memory_model(config, args.gradient_checkpointing, args.logprob_chunk, T.attention_kind(args, cuda),
                                 max(lens), engine.zero_max_live_parameters())
         held = torch.cuda.memory_allocated() if cuda else 0  # the ZeRO-3 states, outside the model's count
         if budget_given is None:  # CUDA: as the trainer sizes it at its first update
-            args.micro_batch_tokens = T.token_budget(memory, torch.cuda.mem_get_info()[0], max(lens))
+            args.micro_batch_tokens = token_budget(memory, torch.cuda.mem_get_info()[0], max(lens))
         parts = T.rank_micro_batches(rollouts, args.micro_batch_size, args.micro_batch_tokens, not args.padded)
         t_update = timed(lambda: T.update_minibatch(engine, rollouts, w, args, device))
         largest = max(sum(lens[i] for i in b) if not args.padded else len(b) * lens[b[-1]] for b in parts)

@@ -1,7 +1,7 @@
 """The trainer's plumbing, beside the algorithm in train_grpo.py: argument checks, engine pins, the run
 directory (one writer, the run's identity, what --resume may change), checkpoints (save, damage checks,
-the resume point), early ends in one line, metrics and loggers. Nothing here imports the trainer; the
-collectives it needs come in as arguments.
+the resume point), early ends in one line, the update's memory model and token budget, metrics and
+loggers. Nothing here imports the trainer; the collectives it needs come in as arguments.
 """
 
 from __future__ import annotations
@@ -626,6 +626,67 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
         return main
 
     return decorate
+
+
+# -----------------------------------------------------------------------------
+# Memory: what a micro-batch of the update holds on CUDA, and the token budget sized from it
+
+
+def memory_model(config, checkpointing: bool, chunk: int, attention: str, longest: int,
+                 live_params: float = 1e9) -> dict[str, float]:
+    """Bytes a rank holds at the peak of a micro-batch's forward and backward on CUDA (bf16, fp32 norms), as
+    'per_token' (times the micro-batch's tokens) and 'fixed', with the terms they sum; `attention`: the kernel
+    the update runs (train_grpo.attention_kind). Per token:
+      layer inputs    2 h (L + 1): checkpoints, the same tensors as output_hidden_states, and the final norm;
+      layer(s)        a decoder layer's saved forward, per token: 2 RMSNorms (fp32 input and normed copies,
+                      bf16 output: 10 h each), q, k, v (2 (q + 2 kv)), their rotated copies with rotate_half's
+                      (4 (q + kv)), the attention output (2 q) and its fp32 log-sum-exp (4 heads), o_proj's
+                      output and 2 residual sums (6 h), the MLP's gate, up, act(gate), product (8 i) and
+                      output (2 h); once with checkpointing (the layer recomputed), L times without;
+                      plus its backward's transients: the MLP's 3 gradients (6 i), the norms' fp32 ones (12 h);
+      lm_head         its input rows and their gradient (4 h); per-token scalars (log-probs, losses: 96 B);
+      attention       math / eager: a sequence's [heads, T, T] scores, fp32 softmax and bf16 probabilities
+                      kept (6 B a score) per layer held, and 10 B of work, T <= `longest`: heads x longest x
+                      (6 layers_held + 10) a token; flash: the kernel's contiguous copies of q, k, v
+                      (2 (q + 2 kv) per layer held); sdpa-masked / eager: keys and values repeated to every head
+                      (4 q per layer held); sdpa-masked: the [T, T] boolean padding mask (longest).
+    Fixed: the log-prob chunk's forward and recomputed backward (bf16 and fp32 logits, exp, the fp32 and bf16
+    gradients: 16 B x chunk x vocab); the gathered embedding and lm_head with their bf16 gradients; ZeRO-3's
+    live parameters (stage3_max_live_parameters, bf16). Not counted: what ZeRO-3 allocates with the engine and
+    the free memory already lacks (the fp32 gradient partition, the reduce bucket, the optimizer's states:
+    zero/stage3.py)."""
+    h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * d, kv_heads * d
+    held = 1 if checkpointing else layers
+    layer = 10 * h + 10 * h + 2 * (q + 2 * kv) + 4 * (q + kv) + 2 * q + 4 * heads + 6 * h + 8 * i + 2 * h
+    per_token = {"layer inputs": 2 * h * (layers + 1), "layers": held * layer + 6 * i + 12 * h,
+                 "lm_head": 4 * h + 96}
+    if attention == "flash":
+        per_token["contiguous q, k, v"] = 2 * (q + 2 * kv) * held
+    if attention in ("math", "eager"):
+        per_token["attention scores"] = heads * longest * (6 * held + 10)
+    if attention in ("sdpa-masked", "eager"):
+        per_token["repeated keys and values"] = 4 * q * held
+    if attention == "sdpa-masked":
+        per_token["padding mask"] = longest
+    embeddings = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    params = embeddings + layers * (h * q + 2 * h * kv + q + 2 * kv + q * h + 3 * h * i + 2 * h) + h
+    fixed = {"log-prob chunk": 16 * chunk * vocab, "embedding and lm_head": 4 * embeddings,
+             "live parameters": 2 * min(live_params, params)}
+    return {**per_token, **fixed, "per_token": sum(per_token.values()), "fixed": sum(fixed.values()),
+            "params": params}
+
+
+MEMORY_SHARE = 0.9  # of the free memory: the caching allocator's fragmentation and what the model leaves out
+
+
+def token_budget(model: dict[str, float], free_bytes: int, longest: int) -> int:
+    """--micro-batch-tokens on CUDA by default: the tokens whose memory_model fits MEMORY_SHARE of the memory free
+    once the engines hold theirs (vLLM asleep), at least one longest sequence. Ranks may differ: each evens out its
+    count of micro-batches with the others (rank_micro_batches)."""
+    return int(max((MEMORY_SHARE * free_bytes - model["fixed"]) // model["per_token"], longest))
 
 
 # -----------------------------------------------------------------------------

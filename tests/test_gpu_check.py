@@ -313,7 +313,7 @@ def test_memory_model_counts_what_a_micro_batch_holds(shape):
     from types import SimpleNamespace
 
     from bench_step import SHAPES
-    from train_grpo import memory_model, token_budget
+    from grpo_run import memory_model, token_budget
 
     cfg = SimpleNamespace(**SHAPES[shape])
     h, i, L, heads, kv_heads, d, vocab, tied = HAND[shape]

@@ -7,6 +7,7 @@ import argparse
 import pytest
 import torch
 
+import grpo_run
 import train_grpo
 
 LENGTHS = (7, 19, 3, 12, 1)  # response tokens; each after a 5-token prompt
@@ -148,6 +149,6 @@ def test_the_measured_budget_reads_the_engine_as_deepspeed_names_it(monkeypatch)
     for deterministic in (False, True):
         args = argparse.Namespace(logprob_chunk=1024, padded=False, deterministic=deterministic)
         budget, model = train_grpo.measured_budget(engine, args, 4096)
-        assert model == train_grpo.memory_model(config, True, 1024, "math" if deterministic else "flash", 4096, 2e8)
-        assert budget == train_grpo.token_budget(model, 80 * 2**30, 4096)
+        assert model == grpo_run.memory_model(config, True, 1024, "math" if deterministic else "flash", 4096, 2e8)
+        assert budget == grpo_run.token_budget(model, 80 * 2**30, 4096)
         assert model["fixed"] + budget * model["per_token"] <= 0.9 * 80 * 2**30
