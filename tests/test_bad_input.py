@@ -316,6 +316,7 @@ def test_evaluate_refuses_a_checkpoint_without_its_tokenizer(tmp_path):
     assert not (tmp_path / "s.jsonl").exists()
 
 
+@pytest.mark.slow  # seven tool processes, each importing torch and the trainer: about 20 s
 def test_ablation_checks_every_argument_before_the_first_run(tmp_path):
     out = ["--out", str(tmp_path / "abl")]
     one_line_error(run("ablation.py", "--nproc", "0", *out), "--nproc must be at least 1")
