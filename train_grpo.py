@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="responses per forward-only pass (old and reference log-probs) per rank; default 4 x --micro-batch-size "
            "(with a token budget: no cap but it)")
     a("--deterministic", action="store_true",
-      help="bit-exact reruns of the update on CUDA: deterministic kernels, eager attention (slower; docs/gpu.md)")
+      help="bit-exact reruns of the update on CUDA: deterministic kernels, math attention (slower; docs/gpu.md)")
     a("--rollout-seed", default="request", choices=["request", "engine"],
       help="request: each prompt's samples seeded by (seed, step, prompt), whatever the sharding; engine: each "
            "engine's own stream, seeded by --seed + rank (docs/gpu.md)")
