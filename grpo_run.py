@@ -647,9 +647,10 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
       lm_head         its input rows and their gradient (4 h); per-token scalars (log-probs, losses: 96 B);
       attention       math / eager: a sequence's [heads, T, T] scores, fp32 softmax and bf16 probabilities
                       kept (6 B a score) per layer held, and 10 B of work, T <= `longest`: heads x longest x
-                      (6 layers_held + 10) a token; flash: the kernel's contiguous copies of q, k, v
-                      (2 (q + 2 kv) per layer held); sdpa-masked / eager: keys and values repeated to every head
-                      (4 q per layer held); sdpa-masked: the [T, T] boolean padding mask (longest).
+                      (6 layers_held + 10) a token; flash: copies of q, k, v laid out for the kernel
+                      (2 (q + 2 kv) per layer held; a margin: Qwen2's need none); sdpa-masked / eager:
+                      keys and values repeated to every head (4 q per layer held); sdpa-masked: the [T, T]
+                      boolean padding mask (longest).
     Fixed: the log-prob chunk's forward and recomputed backward (bf16 and fp32 logits, exp, the fp32 and bf16
     gradients: 16 B x chunk x vocab); the gathered embedding and lm_head with their bf16 gradients; ZeRO-3's
     live parameters (stage3_max_live_parameters, bf16). Not counted: what ZeRO-3 allocates with the engine and

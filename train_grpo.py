@@ -668,7 +668,9 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if flash_kernel_applies(q):
         from torch.nn.attention.varlen import varlen_attn
 
-        m = kwargs["max_length_q"]  # contiguous [N, heads, head_dim], as the kernel's examples lay them out
+        # contiguous [N, heads, head_dim], as the kernel's examples lay them out: Qwen2's projections and rotary
+        # outputs already are (a no-op there), a layout that is not gets a copy
+        m = kwargs["max_length_q"]
         q, k, v = (x.contiguous() for x in (q, k, v))
         out = varlen_attn(q, k, v, cu, cu, m, m, scale=scaling, window_size=(-1, 0), enable_gqa=True)
     else:

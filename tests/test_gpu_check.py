@@ -299,7 +299,7 @@ def hand_count(h, i, L, heads, kv_heads, d, vocab, tied):
         ("backward: grads of 3 MLP intermediates", 3 * i, 2), ("backward: norms' fp32 grads", 3 * h, 4),
         ("lm_head input rows and their gradient", 2 * h, 2), ("log-probs, losses, weights", 24, 4),
     ]
-    flash = [("the flash kernel's contiguous q, k, v", q + 2 * kv, 2)]
+    flash = [("q, k, v laid out for the flash kernel (a margin: Qwen2's already are)", q + 2 * kv, 2)]
     embeddings = vocab * h * (1 if tied else 2)
     params = embeddings + L * (q * h + 2 * kv * h + q + 2 * kv + h * q + 3 * h * i + 2 * h) + h
     # the chunk's bf16 and fp32 logits, exp, fp32 and bf16 gradients; embedding and lm_head gathered with bf16
