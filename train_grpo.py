@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import inspect
 import io
 import json
 import logging
@@ -685,8 +687,19 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 
 def flash_kernel_applies(q: torch.Tensor) -> bool:
-    """torch's variable-length flash kernel runs half precision on CUDA; not under --deterministic (atomics)."""
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not torch.are_deterministic_algorithms_enabled()
+    """torch's variable-length flash kernel runs half precision on CUDA; not under --deterministic (atomics), nor
+    with a torch older than the pinned one whose kernel lacks causal windows or GQA (one sequence at a time then)."""
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    return q.is_cuda and half and not torch.are_deterministic_algorithms_enabled() and varlen_kernel_here()
+
+
+@functools.cache
+def varlen_kernel_here() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters)
 
 
 def attention_implementation(args) -> str:

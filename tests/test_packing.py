@@ -152,3 +152,16 @@ def test_the_measured_budget_reads_the_engine_as_deepspeed_names_it(monkeypatch)
         assert model == grpo_run.memory_model(config, True, 1024, "math" if deterministic else "flash", 4096, 2e8)
         assert budget == grpo_run.token_budget(model, 80 * 2**30, 4096)
         assert model["fixed"] + budget * model["per_token"] <= 0.9 * 80 * 2**30
+
+
+def test_an_older_torchs_varlen_kernel_is_not_called(monkeypatch):
+    # a node's own torch whose varlen_attn lacks the causal window or GQA (or has none): one sequence at a time
+    import torch.nn.attention.varlen as varlen
+
+    assert train_grpo.varlen_kernel_here()  # the pinned torch 2.13's has both
+    monkeypatch.setattr(varlen, "varlen_attn", lambda query, key, value, cu_seq_q, cu_seq_k, max_q, max_k: None)
+    train_grpo.varlen_kernel_here.cache_clear()
+    try:
+        assert not train_grpo.varlen_kernel_here()
+    finally:
+        train_grpo.varlen_kernel_here.cache_clear()
