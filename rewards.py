@@ -65,8 +65,9 @@ SANDBOXED = Path(__file__).resolve().parent / "sandboxed"
 
 
 # Bumped whenever the same response could score differently: evaluate.py keys its caches by it, so that no
-# table mixes scores of two versions. 2: code counts only a full pass (issue #27).
-SCORING_VERSION = 2
+# table mixes scores of two versions. 2: code counts only a full pass (issue #27). 3: as root, a sandbox sees the
+# standard library only (no package the host's interpreter happens to have), and one past its memory fails.
+SCORING_VERSION = 3
 MATH_TIMEOUT_S = 5  # seconds (an int: math-verify hands it to signal.alarm)
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not worth symbolic verification
 CODE_TIMEOUT_S = 10.0  # wall clock per test program
@@ -87,12 +88,12 @@ SANDBOX_UIDS = range(_UID_BASE, _UID_BASE + 65536)
 # System calls every sandbox is refused (EPERM), as Docker's and Podman's default seccomp profiles refuse
 # them: the kernel keyring, which is not namespaced (a key outlives the sandbox that added it and would carry
 # values from one response to another); and namespaces of its own (unshare, setns, and clone with a
-# CLONE_NEW* flag, see _seccomp_program), the way to a user namespace where the program is root: a tmpfs it
+# CLONE_NEW* flag, see seccomp_rules), the way to a user namespace where the program is root: a tmpfs it
 # mounts there is memory outside every limit, and user namespaces are much of the kernel's attack surface.
 REFUSED_SYSCALLS = ("add_key", "keyctl", "request_key", "unshare", "setns")
 # What sandboxes share is the host kernel's state of the files every one of them reads (the interpreter's,
 # the system's): one sandbox could set it and another read it (issue #33). Each rule is (system call,
-# errno, None or (argument, ">=" or "==", value)); see _seccomp_program.
+# errno, None or (argument, ">=" or "==", value)); see seccomp_rules.
 _LOCK_CMDS = (5, 6, 7, 12, 13, 14, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, their *64 and F_OFD_* forms
 _WATCH_CMDS = (1024, 1025, 1026)  # F_SETLEASE, F_GETLEASE, F_NOTIFY
 SHARED_STATE_RULES = (
@@ -232,6 +233,7 @@ def extract_code(response: str) -> str | None:
 
 
 _TMP_ROOT: str | None = None  # a worker's directory for the weaker modes' sandboxes (see _spawn)
+_IN_WORKER = False  # a scoring worker: the start-up line is its parent's to print
 SANDBOX_MODES = ("bwrap", "unshare", "rlimits")  # strongest first; the weaker two only on request
 _sandbox_mode: str | None = None
 
@@ -267,14 +269,34 @@ def sandbox_mode() -> str:
         log.warning("REWARDS_SANDBOX=%s: untrusted code runs without filesystem isolation%s, and sandboxes share "
                     "the kernel keyring", mode, "" if mode == "unshare" else ", network or PID namespace")
     _sandbox_mode = mode
+    if not _IN_WORKER:
+        print(f"rewards: {mode} sandboxes; {bound_line(mode)}", file=sys.stderr, flush=True)
     return mode
+
+
+def bound_line(mode: str) -> str:
+    """What bounds one sandbox's processes together, and what files it reads, in one line."""
+    kind, _ = _memory_bound()
+    budget = f"{CODE_MEMORY_BYTES / 2**30:g} GiB"
+    if kind.startswith("cgroup"):
+        line = f"each holds at most {budget} and {CODE_MAX_PROCS} processes in all (cgroup v{kind[-1]})"
+    else:
+        line = (f"each holds at most about {budget} in all (a watchdog sums its resident memory every "
+                f"{WATCHDOG_S * 1000:g} ms: no writable cgroup here; run the scorer as root for a hard bound)")
+    if mode != "bwrap":
+        return line
+    if root := _sandbox_root():
+        size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(root) for f in files)
+        return line + f"; they read a copy of the interpreter and its libraries held in memory ({size >> 20} MiB)"
+    return line + "; they read the host's files (not root: their page cache is shared, docs/rewards.md)"
 
 
 def _probe_bwrap() -> None:
     """One sandbox as responses get it: it must start (bubblewrap 0.8 or newer, for the size-limited
     directory), find the keyring, new namespaces and file locks refused, and its own directory writable."""
     try:
-        with _sandbox({}, "probe", 10, {"add_key": _syscall_number("add_key")}, talk=True, mode="bwrap") as proc:
+        with _sandbox({}, "probe", 10, {"add_key": _syscall_number("add_key"), "cgroup_name": _CGROUP_NAME},
+                      talk=True, mode="bwrap") as proc:
             out, err = proc.communicate(timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
         out, err = b"", str(e).encode()
@@ -294,19 +316,25 @@ def _runs(cmd: list[str]) -> bool:
 
 
 def _bwrap_prefix(seccomp_fd: int, tmpfs: str | None = None) -> list[str]:
-    # Only the system's and the interpreter's directories are visible, read-only; the project,
-    # checkpoints and home directories are not there at all. The one writable place is a tmpfs of
-    # CODE_MAX_DISK_BYTES, the sandbox's own (/tmp points into it): nothing on the host's disk, nothing
-    # another sandbox sees, gone with the sandbox. It is `tmpfs` (_private_tmpfs, which bounds its files
-    # too) or, where that could not be mounted, bubblewrap's own.
+    # Only what a Python program needs is visible, read-only: the sandbox root's copy (_sandbox_root), else
+    # the system's and the interpreter's directories; the project, checkpoints and home directories are not
+    # there at all. The one writable place is a tmpfs of CODE_MAX_DISK_BYTES, the sandbox's own (/tmp points
+    # into it): nothing on the host's disk, nothing another sandbox sees, gone with the sandbox. It is `tmpfs`
+    # (_private_tmpfs, which bounds its files too) or, where that could not be mounted, bubblewrap's own.
     binds = []
-    for d in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc"):
-        if os.path.exists(d):
-            binds += ["--ro-bind", d, d]
-    # The interpreter's installation goes to /py: its own parents (e.g. /root) may not be
-    # traversable by the unprivileged user the program runs as.
-    binds += ["--ro-bind", sys.base_prefix, "/py"]
-    binds += ["--ro-bind", str(SANDBOXED), "/prog"]  # the programs this sandbox runs
+    if root := _sandbox_root():
+        for entry in sorted(os.listdir(root)):
+            path = os.path.join(root, entry)
+            binds += ["--symlink", os.readlink(path), "/" + entry] if os.path.islink(path) else \
+                ["--ro-bind", path, "/" + entry]
+    else:
+        for d in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc"):
+            if os.path.exists(d):
+                binds += ["--ro-bind", d, d]
+        # The interpreter's installation goes to /py: its own parents (e.g. /root) may not be
+        # traversable by the unprivileged user the program runs as.
+        binds += ["--ro-bind", sys.base_prefix, "/py"]
+        binds += ["--ro-bind", str(SANDBOXED), "/prog"]  # the programs this sandbox runs
     # The sandbox's root and /dev are tmpfs too, writable by the program where it runs unprivileged
     # (bubblewrap's user namespace makes it their owner): both read-only once set up.
     own = ["--bind", tmpfs, "/sandbox"] if tmpfs else ["--size", str(CODE_MAX_DISK_BYTES), "--perms", "1777",
@@ -320,9 +348,79 @@ def _bwrap_prefix(seccomp_fd: int, tmpfs: str | None = None) -> list[str]:
 
 def _sandbox_python(mode: str) -> str:
     exe = os.path.realpath(sys.executable)
-    if mode == "bwrap":
+    if mode == "bwrap" and not _sandbox_root():
         return os.path.join("/py", os.path.relpath(exe, sys.base_prefix))
     return exe
+
+
+# The sandbox root. Files every sandbox reads are a channel between sandboxes if they are the host's: one
+# sandbox reads a file (its pages come into the page cache), a later one times a read of it (a cached 4 KiB read
+# took 19 us, an evicted one 134 us: 0.97 of the bits decoded). As root, sandboxes see instead a copy of what
+# a Python program needs (the interpreter and its standard library at their own paths, the C libraries they
+# load, ld.so.cache, the C.UTF-8 locale, sandboxed/) in a ramfs the scorer mounts once and shares with its
+# workers: ramfs pages are never evicted nor swapped, so every read of it is a cached read, whatever any
+# sandbox did. Third-party packages are not in it, whatever the host's interpreter has installed.
+_STDLIB_LEFT_OUT = ("site-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "config-*",
+                    "_tkinter*", "*.opt-1.pyc", "*.opt-2.pyc")
+_root: str | None | bool = None  # None: not tried yet; False: cannot mount (the host's directories then)
+_root_claim: socket.socket | None = None
+
+
+def _sandbox_root() -> str | None:
+    """The directory holding the sandbox root (see above), made on first use; None where it cannot be mounted
+    (unprivileged, or a container without CAP_SYS_ADMIN)."""
+    global _root, _root_claim
+    if _root is None:
+        _root = False
+        if os.geteuid() == 0:
+            _root_claim = _claim_dir(f"root-{os.getpid()}")
+            path = os.path.join(_TMPFS_ROOT, f"root-{os.getpid()}")
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            if _libc().mount(b"ramfs", path.encode(), b"ramfs", 0x2 | 0x4, b"mode=0755") == 0:
+                try:
+                    _fill_root(path)
+                    _libc().mount(b"ramfs", path.encode(), b"ramfs", 0x20 | 0x1 | 0x2 | 0x4, None)  # read-only
+                    atexit.register(_unmount_dir, path)
+                    _root = path
+                except (OSError, subprocess.SubprocessError) as e:
+                    log.warning("cannot copy the interpreter for sandboxes (%s): they read the host's files", e)
+                    _unmount_dir(path)
+            if not _root:
+                _root_claim.close()
+    return _root or None
+
+
+def _fill_root(root: str) -> None:
+    exe = os.path.realpath(sys.executable)
+    stdlib = os.path.realpath(os.path.dirname(os.__file__))
+    dynload = os.path.join(stdlib, "lib-dynload")
+    modules = [os.path.join(dynload, f) for f in os.listdir(dynload) if f.endswith(".so")]
+    ldd = shutil.which("ldd") or "/usr/bin/ldd"
+    listed = subprocess.run([ldd, exe, *modules], capture_output=True, text=True, check=True).stdout
+    libs = set(re.findall(r"(?m)(?:=> |^\s)(/\S+) \(0x", listed))
+    for path in [exe, *libs, "/etc/ld.so.cache", "/usr/lib/locale/C.utf8"]:
+        if os.path.exists(path):
+            _copy_path(path, root)
+    shutil.copytree(stdlib, root + stdlib, symlinks=True, ignore=shutil.ignore_patterns(*_STDLIB_LEFT_OUT))
+    shutil.copytree(SANDBOXED, os.path.join(root, "prog"), ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def _copy_path(path: str, root: str) -> None:
+    """Copy `path` into `root` at the same place, with the symbolic links met on the way (/lib -> usr/lib)."""
+    parts = path.strip("/").split("/")
+    for i in range(len(parts)):
+        host = "/" + "/".join(parts[: i + 1])
+        if os.path.islink(host):
+            if not os.path.lexists(root + host):
+                os.makedirs(os.path.dirname(root + host), exist_ok=True)
+                os.symlink(os.readlink(host), root + host)
+            target = os.path.join(os.path.dirname(host), os.readlink(host), *parts[i + 1:])
+            return _copy_path(os.path.normpath(target), root)
+    os.makedirs(os.path.dirname(root + path), exist_ok=True)
+    if os.path.isdir(path):
+        shutil.copytree(path, root + path, dirs_exist_ok=True)
+    else:
+        shutil.copy2(path, root + path)
 
 
 @functools.cache
@@ -402,8 +500,8 @@ def _private_tmpfs(mode: str, uid: int) -> Iterator[str | None]:
     try:
         yield path
     finally:
-        _unmounts.put((path, claim))
-        _start_unmounter()
+        _cleanups.put((functools.partial(_unmount_dir, path), claim))
+        _start_cleaner()
 
 
 def _claim_dir(name: str, wait: float = 0.0) -> socket.socket:
@@ -423,36 +521,35 @@ def _claim_dir(name: str, wait: float = 0.0) -> socket.socket:
             time.sleep(0.005)
 
 
-# Unmounting waits out an RCU grace period (about 4 ms here, a sixth of a sandbox's start): a thread of the
-# scorer does it once the sandbox is over, off the scoring path.
-_unmounts: queue.SimpleQueue = queue.SimpleQueue()
-_unmounter: threading.Thread | None = None
-_unmounter_lock = threading.Lock()
+# Unmounting waits out an RCU grace period (about 4 ms here, a sixth of a sandbox's start), and a cgroup is
+# removed once its killed processes are gone: a thread of the scorer does both once the sandbox is over, off
+# the scoring path. Each entry is (what to do, the claim released after it).
+_cleanups: queue.SimpleQueue = queue.SimpleQueue()
+_cleaner: threading.Thread | None = None
+_cleaner_lock = threading.Lock()
 
 
-def _start_unmounter() -> None:
-    global _unmounter
-    with _unmounter_lock:
-        if _unmounter is None or not _unmounter.is_alive():
-            _unmounter = threading.Thread(target=_unmount_queued, name="sandbox-unmounter", daemon=True)
-            _unmounter.start()
+def _start_cleaner() -> None:
+    global _cleaner
+    with _cleaner_lock:
+        if _cleaner is None or not _cleaner.is_alive():
+            _cleaner = threading.Thread(target=_clean_queued, name="sandbox-cleaner", daemon=True)
+            _cleaner.start()
 
 
-def _unmount_queued(block: bool = True) -> None:
+def _clean_queued(block: bool = True) -> None:
     while True:
         try:
-            path, claim = _unmounts.get(block=block)
+            action, claim = _cleanups.get(block=block)
         except queue.Empty:
             return
         try:
-            _unmount(path)
-            with contextlib.suppress(OSError):
-                os.rmdir(path)
+            action()
         finally:
             claim.close()
 
 
-atexit.register(_unmount_queued, block=False)  # what the thread has not reached when the scorer ends
+atexit.register(_clean_queued, block=False)  # what the thread has not reached when the scorer ends
 
 
 @functools.cache
@@ -464,17 +561,255 @@ def _unmount(path: str) -> None:
     _libc().umount2(path.encode(), 2)  # MNT_DETACH; EINVAL where nothing is mounted
 
 
+def _unmount_dir(path: str) -> None:
+    _unmount(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 def _sweep_tmpfs() -> None:
-    """Unmount the directories of sandboxes whose scorer died (their claims are gone with it)."""
-    if os.geteuid() != 0 or not os.path.isdir(_TMPFS_ROOT):
+    """Unmount the directories, and remove the cgroups, of sandboxes whose scorer died (their claims are gone
+    with it)."""
+    if os.geteuid() != 0:
         return
-    for name in os.listdir(_TMPFS_ROOT):
+    leftovers = [(name, functools.partial(_unmount_dir, os.path.join(_TMPFS_ROOT, name)))
+                 for name in (os.listdir(_TMPFS_ROOT) if os.path.isdir(_TMPFS_ROOT) else ())]
+    kind, bases = _memory_bound()
+    if kind.startswith("cgroup"):
+        names = {name for base in bases for name in os.listdir(base) if name.isdigit()}
+        leftovers += [("cgroup-" + name, functools.partial(_remove_cgroup, [os.path.join(b, name) for b in bases]))
+                      for name in names]
+    for name, action in leftovers:
         try:
             claim = _claim_dir(name)
-        except OSError:  # a live sandbox's, or one being unmounted
+        except OSError:  # a live sandbox's, or one being cleaned up
             continue
-        _unmounts.put((os.path.join(_TMPFS_ROOT, name), claim))
-    _unmount_queued(block=False)
+        _cleanups.put((action, claim))
+    _clean_queued(block=False)
+
+
+# --- what one sandbox holds, all its processes together ----------------------------------------------------
+#
+# The per-process limits (CODE_MEMORY_BYTES of address space, CODE_MAX_PROCS processes) leave the sum open: six
+# children touching 1 GiB each held 6 GiB of the host. Where the scorer can make cgroups (root, with a writable
+# v2 hierarchy whose parent delegates memory and pids, or v1's memory hierarchy), each sandbox gets one:
+# CODE_MEMORY_BYTES of memory in all, no swap, and in v2 CODE_MAX_PROCS processes (in v1 the per-sandbox uid's
+# RLIMIT_NPROC counts them already, and joining a second hierarchy would cost a sandbox start one more RCU grace
+# period, about 5 ms). Past the memory, the sandbox fails as a whole: v2 kills all of it (memory.oom.group); v1,
+# which cannot, stops it (its OOM killer off) until the deadline kills it. Elsewhere a watchdog thread of the
+# scorer sums the resident memory of the sandbox's processes every WATCHDOG_S and kills the sandbox past the
+# budget (a bound by polling: what is allocated within one interval can pass it). Every sandboxed process is the
+# OOM killer's first choice on the host (oom_score_adj 1000, sandboxed/limit.py): if memory runs short, a
+# response dies, never the trainer.
+_CGROUP_NAME = "balanced-grpo-sandboxes"
+WATCHDOG_S = 0.01
+_bound: tuple[str, list[str]] | None = None
+
+
+def _cgroup_dirs(version: int) -> list[str]:
+    """This process's cgroup directory in v2's hierarchy, or in v1's memory one ([] where not mounted)."""
+    own = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            for name in names.split(",") if names else [""]:
+                own[name] = path
+    mounts = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields, _, fs = line.rstrip("\n").partition(" - ")
+            root, point = fields.split()[3:5]
+            fstype, _, options = fs.split()
+            if fstype == "cgroup2" and version == 2:
+                mounts[""] = (root, point)
+            elif fstype == "cgroup" and version == 1:
+                if "memory" in options.split(","):
+                    mounts["memory"] = (root, point)
+    dirs = []
+    for name in [""] if version == 2 else ["memory"]:
+        if name not in mounts or name not in own:
+            return []
+        root, point = mounts[name]
+        rel = os.path.relpath(own[name], root)
+        if rel.startswith(".."):
+            return []
+        dirs.append(os.path.normpath(os.path.join(point, rel)))
+    return dirs
+
+
+def _cgroup_bases() -> tuple[str, list[str]] | None:
+    """Where the sandboxes' cgroups are made: v2 beside this process's cgroup (its parent must delegate memory
+    and pids; a cgroup holding processes cannot), else v1 under this process's own; None where neither can."""
+    for version in (2, 1):
+        dirs = _cgroup_dirs(version)
+        if not dirs:
+            continue
+        if version == 2:
+            # the root cgroup (no cgroup.type) may hold processes and delegate; any other must be the parent
+            parent = os.path.dirname(dirs[0]) if os.path.exists(os.path.join(dirs[0], "cgroup.type")) else dirs[0]
+            try:
+                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                    if not {"memory", "pids"} <= set(f.read().split()):
+                        continue
+            except OSError:
+                continue
+            dirs = [parent]
+        bases = [os.path.join(d, _CGROUP_NAME) for d in dirs]
+        try:
+            for base in bases:
+                os.makedirs(base, exist_ok=True)
+            if version == 2:
+                _write(bases[0], "cgroup.subtree_control", "+memory +pids")
+        except OSError:
+            continue
+        return f"cgroup{version}", bases
+    return None
+
+
+def _memory_bound() -> tuple[str, list[str]]:
+    """("cgroup2" or "cgroup1", the sandboxes' cgroup bases) or ("watchdog", []), decided once per scorer."""
+    global _bound
+    if _bound is None:
+        found = _cgroup_bases() if os.geteuid() == 0 else None
+        _bound = found or ("watchdog", [])
+    return _bound
+
+
+def _write(directory: str, name: str, value: str) -> None:
+    with open(os.path.join(directory, name), "w") as f:
+        f.write(value)
+
+
+@contextlib.contextmanager
+def _sandbox_cgroup(uid: int) -> Iterator[list[int]]:
+    """The cgroup of the sandbox holding `uid` (as root every running sandbox has its own uid), its limits
+    written; yields a descriptor of each cgroup.procs, which the sandbox's first process writes itself into
+    (sandboxed/limit.py) before it runs anything else: whatever it starts later is counted there. Afterwards
+    everything left in it is killed, and the cgroup is removed once empty (by the cleaner thread). [] where
+    the bound is the watchdog's."""
+    kind, bases = _memory_bound()
+    if uid < 0 or not kind.startswith("cgroup"):
+        yield []
+        return
+    try:
+        claim = _claim_dir(f"cgroup-{uid}", wait=CODE_TIMEOUT_S)
+    except OSError:
+        raise SandboxUnavailable(f"the sandbox cgroup {uid} is not given back") from None
+    dirs = [os.path.join(base, str(uid)) for base in bases]
+    fds = []
+    try:
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+        _kill_cgroup(dirs)  # the directory is ours: whatever is left in it is a dead scorer's
+        if kind == "cgroup2":
+            _write(dirs[0], "memory.max", str(CODE_MEMORY_BYTES))
+            with contextlib.suppress(FileNotFoundError):  # a kernel without swap accounting
+                _write(dirs[0], "memory.swap.max", "0")
+            _write(dirs[0], "memory.oom.group", "1")
+            _write(dirs[0], "pids.max", str(CODE_MAX_PROCS))
+        else:
+            _write(dirs[0], "memory.limit_in_bytes", str(CODE_MEMORY_BYTES))
+            try:
+                _write(dirs[0], "memory.memsw.limit_in_bytes", str(CODE_MEMORY_BYTES))
+            except FileNotFoundError:  # no swap accounting: keep its pages out of swap instead
+                _write(dirs[0], "memory.swappiness", "0")
+            _write(dirs[0], "memory.oom_control", "1")
+        fds = [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in dirs]
+    except OSError as e:
+        for fd in fds:
+            os.close(fd)
+        claim.close()
+        raise SandboxUnavailable(f"cannot set up the sandbox cgroup {dirs[0]}: {e}") from None
+    try:
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
+        _kill_cgroup(dirs)
+        _cleanups.put((functools.partial(_remove_cgroup, dirs), claim))
+        _start_cleaner()
+
+
+def _cgroup_pids(d: str) -> list[int]:
+    try:
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _kill_cgroup(dirs: list[str]) -> None:
+    try:
+        _write(dirs[0], "cgroup.kill", "1")  # v2, Linux 5.14 on: all of it, at once
+    except OSError:
+        for pid in _cgroup_pids(dirs[0]):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _remove_cgroup(dirs: list[str], wait: float = 5.0) -> None:
+    """rmdir, once the killed processes have left (a moment after SIGKILL)."""
+    deadline = time.monotonic() + wait
+    for d in dirs:
+        while os.path.isdir(d):
+            try:
+                os.rmdir(d)
+            except OSError:
+                if time.monotonic() > deadline:
+                    log.warning("sandbox cgroup %s is still busy; left for the next scorer", d)
+                    return
+                _kill_cgroup([d])
+                time.sleep(0.005)
+
+
+def _sandbox_tree(pid: int) -> list[int]:
+    """The process and all its descendants (the sandbox: bubblewrap's processes and everything in its PID
+    namespace, where orphans go to the namespace's init)."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(x) for x in f.read().split()]
+    return tree
+
+
+def _resident_bytes(pids: list[int]) -> int:
+    total = 0
+    for p in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return total
+
+
+@contextlib.contextmanager
+def _watchdog(proc: subprocess.Popen, on: bool) -> Iterator[None]:
+    """Where no cgroup bounds the sandbox: kills its whole process group and PID namespace once the resident
+    memory of its processes together passes CODE_MEMORY_BYTES (checked every WATCHDOG_S)."""
+    if not on:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(WATCHDOG_S):
+            tree = _sandbox_tree(proc.pid)
+            if _resident_bytes(tree) > CODE_MEMORY_BYTES:
+                for p in reversed(tree):
+                    with contextlib.suppress(OSError):
+                        os.kill(p, signal.SIGKILL)
+                return
+
+    thread = threading.Thread(target=watch, name="sandbox-watchdog", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _unshare_prefix() -> list[str]:
@@ -514,22 +849,27 @@ class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
                 ("datum_b", ctypes.c_uint64)]
 
 
+def seccomp_rules() -> tuple:
+    """Every rule of the sandbox's filter, (system call, errno, None or (argument, op, value)): REFUSED_SYSCALLS
+    (EPERM), clone3 (ENOSYS: its flags sit in memory a filter cannot read; the C library then falls back to
+    clone), clone with each CLONE_NEW* flag (EPERM), and SHARED_STATE_RULES. tests/test_sandbox_isolation.py
+    holds a probe for each, and shows each probe refused by its rule alone."""
+    return (*((name, errno.EPERM, None) for name in REFUSED_SYSCALLS), ("clone3", errno.ENOSYS, None),
+            *(("clone", errno.EPERM, (0, "&", flag)) for flag in _CLONE_NEW), *SHARED_STATE_RULES)
+
+
 @functools.cache
-def _seccomp_program(refused: tuple[str, ...], shared: tuple = ()) -> bytes:
-    """A seccomp filter, as `bwrap --seccomp` loads it (classic BPF), that fails the `refused` system
-    calls and clone with any CLONE_NEW* flag with EPERM, answers clone3 with ENOSYS (its flags sit in
-    memory a filter cannot read; the C library then falls back to clone), applies the `shared` rules
-    (SHARED_STATE_RULES) and allows the rest; compiled by libseccomp for this machine's architecture, so
-    a system call through another ABI (32-bit, x32) kills the process instead of slipping past. clone's
-    flags are its first argument on x86-64, arm64 and ppc64le (not on s390x)."""
+def _seccomp_program(rules: tuple) -> bytes:
+    """A seccomp filter, as `bwrap --seccomp` loads it (classic BPF), that answers each of `rules`
+    (seccomp_rules) with its errno and allows the rest; compiled by libseccomp for this machine's
+    architecture, so a system call through another ABI (32-bit, x32) kills the process instead of slipping
+    past. clone's flags are its first argument on x86-64, arm64 and ppc64le (not on s390x)."""
     lib = _libseccomp()
     ctx = lib.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW
     if not ctx:
         raise SandboxUnavailable("libseccomp cannot build a filter here")
-    rules = [(name, errno.EPERM, None) for name in refused] + [("clone3", errno.ENOSYS, None)]
-    rules += [("clone", errno.EPERM, (0, "&", flag)) for flag in _CLONE_NEW]
     try:
-        for name, code, cmp in rules + list(shared):
+        for name, code, cmp in rules:
             args = ctypes.byref(_arg_cmp(cmp)) if cmp is not None else None
             action = 0x00050000 | code  # SCMP_ACT_ERRNO(code)
             if lib.seccomp_rule_add_array(ctx, action, _syscall_number(name), int(cmp is not None), args) != 0:
@@ -612,11 +952,12 @@ def _sandbox(files: dict[str, str], program: str, timeout: float, params: dict, 
     directory and finds `data` (marshal-able) in unpack() (sandboxed/limit.py); yields the process (its
     stdout a pipe, its stdin and stderr too if `talk`); everything it started is killed when the block ends."""
     mode = mode or sandbox_mode()
-    seccomp_program = _seccomp_program(REFUSED_SYSCALLS, SHARED_STATE_RULES) if mode == "bwrap" else None
-    with _sandbox_uid(mode) as uid, _workdir(mode) as workdir, _private_tmpfs(mode, uid) as tmpfs:
+    seccomp_program = _seccomp_program(seccomp_rules()) if mode == "bwrap" else None
+    with (_sandbox_uid(mode) as uid, _workdir(mode) as workdir, _private_tmpfs(mode, uid) as tmpfs,
+          _sandbox_cgroup(uid) as cgroup):
         bundle = _fd_holding(marshal.dumps((files, data)))
         seccomp = _fd_holding(seccomp_program, pipe=True) if seccomp_program is not None else None
-        params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode}
+        params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode, "cgroup": cgroup}
         # -B: nothing written beside the programs (their folder is read-only in the sandbox, the project's outside)
         where = "/prog" if mode == "bwrap" else str(SANDBOXED)
         python = [_sandbox_python(mode), "-I", "-B", f"{where}/{program}.py", marshal.dumps(params).hex()]
@@ -631,13 +972,14 @@ def _sandbox(files: dict[str, str], program: str, timeout: float, params: dict, 
         try:
             proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=pipe_if_talk, stdout=subprocess.PIPE,
                                     stderr=pipe_if_talk, start_new_session=True,
-                                    pass_fds=[fd for fd in (bundle, seccomp) if fd is not None])
+                                    pass_fds=[fd for fd in (bundle, seccomp, *cgroup) if fd is not None])
         finally:  # the sandbox holds its own copies
             for fd in (bundle, seccomp):
                 if fd is not None:
                     os.close(fd)
         try:
-            yield proc
+            with _watchdog(proc, on=not cgroup):
+                yield proc
         finally:
             _kill_group(proc)
 
@@ -908,10 +1250,10 @@ def score_one(response: str, reference, kind: str, partial: bool = False, timeou
     raise ValueError(f"unknown reward kind {kind!r} (expected 'math' or 'code')")
 
 
-def _worker_main(tmp_root: str) -> None:
+def _worker_main(tmp_root: str, root: str) -> None:
     """A scoring worker: JSON lines in on stdin, JSON lines out on stdout, in its main thread."""
-    global _TMP_ROOT
-    _TMP_ROOT = tmp_root
+    global _TMP_ROOT, _IN_WORKER, _root
+    _TMP_ROOT, _IN_WORKER, _root = tmp_root, True, root or False
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers end
     out = sys.stdout
     sys.stdout = sys.stderr  # stray prints (e.g. from libraries) must not corrupt the channel
@@ -937,7 +1279,9 @@ _pool_lock = threading.Lock()  # one batch at a time goes through the workers (t
 def _spawn() -> tuple[subprocess.Popen, str]:
     _sweep_tmpfs()  # a worker is started or replaced: the one it replaces may have left its sandbox's
     tmp_root = os.path.join(tempfile.gettempdir(), f"rewards-pool-{secrets.token_hex(8)}")
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", tmp_root],
+    # the sandbox root is the parent's, made before any worker (sandbox_mode's probe) and shared with them all
+    root = _sandbox_root() if _sandbox_mode == "bwrap" else None
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", tmp_root, root or ""],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
     return proc, tmp_root
 
@@ -1064,4 +1408,4 @@ def _run_in_workers(todo: list[int], job, limit, scores: list[float], counts: di
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker_main(sys.argv[2])
+    _worker_main(sys.argv[2], sys.argv[3])

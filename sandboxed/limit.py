@@ -1,8 +1,9 @@
 """The start of every program run in the sandbox (rewards._sandbox): `params` (limits, counts, names, file
 descriptors: nothing a program could use), handed over marshalled in argv; `unpack`, which writes the files
 the program was handed (as the sandbox's root, so that the program cannot change them) and returns its data;
-and `limit`: resource limits, then the sandbox's own uid. No json in here: its import (with `re`) would be a
-third of a sandbox's start-up.
+and `limit`: resource limits, then the sandbox's own uid. On import, before anything else runs: the process
+(and so everything it starts) becomes the host OOM killer's first choice and joins the sandbox's cgroup.
+No json in here: its import (with `re`) would be a third of a sandbox's start-up.
 """
 
 import marshal
@@ -11,6 +12,17 @@ import resource
 import sys
 
 params = marshal.loads(bytes.fromhex(sys.argv[1]))
+
+
+def bound():
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    for fd in params["cgroup"]:  # a descriptor of the sandbox's cgroup.procs, handed over by the scorer
+        os.write(fd, b"0")
+        os.close(fd)
+
+
+bound()
 
 
 def unpack():

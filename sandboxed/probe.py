@@ -1,5 +1,6 @@
 """The scorer's start-up probe (rewards._probe_bwrap): one sandbox as responses get it must find the kernel
-keyring, new namespaces and file locks refused, and its own directory writable."""
+keyring, new namespaces and file locks refused, its own directory writable, itself the OOM killer's first
+choice, and inside its cgroup where it was handed one."""
 
 import ctypes
 import errno
@@ -23,6 +24,11 @@ with open("probe", "w") as f:
     except OSError as e:
         locks = e.errno != errno.ENOLCK
 
+with open("/proc/self/oom_score_adj") as f:
+    oom = f.read().strip() != "1000"
+with open("/proc/self/cgroup") as f:
+    joined = f.read()
+unbounded = joined.count(f"/{params['cgroup_name']}/") < len(params["cgroup"])  # a line per hierarchy joined
 
 print("keyring reachable" if keyring else "namespaces allowed" if namespace else "locks shared" if locks else
-      "isolated", flush=True)
+      "not the OOM killer's first choice" if oom else "outside its cgroup" if unbounded else "isolated", flush=True)

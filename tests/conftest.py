@@ -87,9 +87,17 @@ def clean_machine():
     for pool_dir in Path("/tmp").glob("rewards-pool-*"):  # the batch workers' (weaker modes only)
         assert not set(os.listdir(pool_dir)) - pools.get(pool_dir, set())
     # nor a sandbox's own tmpfs (root: rewards._private_tmpfs), unmounted in the background once it ends
-    while sandbox_mounts() and time.time() < deadline + 5:
+    while (sandbox_mounts() or sandbox_cgroups()) and time.time() < deadline + 5:
         time.sleep(0.1)
     assert not sandbox_mounts()
+    assert not sandbox_cgroups()  # nor a sandbox's cgroup (root: rewards._sandbox_cgroup), removed once empty
+
+
+def sandbox_cgroups() -> list[str]:
+    """The cgroups of this session's sandboxes still there."""
+    kind, bases = rewards._memory_bound()
+    return [os.path.join(base, name) for base in bases for name in os.listdir(base)
+            if name.isdigit() and int(name) in rewards.SANDBOX_UIDS]
 
 
 def sandbox_mounts() -> list[str]:

@@ -10,16 +10,19 @@ nothing across sandboxes could have found something.
 """
 
 import errno
+import glob
 import inspect
 import json
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from conftest import BENCHMARKS
+from conftest import BENCHMARKS, ROOT
 
 import rewards
 from data.prepare import load_rows
@@ -119,11 +122,15 @@ time.sleep(WAIT)
 found = []
 
 def look(name, fn):
+    # A semaphore carries VALUE's last 3 hex digits, and its value is compared whole; the rest are searched
+    # for VALUE's last 12 (a process name holds 15 characters): 3 digits, searched for in the hex of the
+    # reader's own command lines, turned up by chance in 1 reading of 30.
     try:
         got = fn()
     except Exception:
         return
-    if got and VALUE.encode()[-3:] in (got if isinstance(got, bytes) else str(got).encode()):
+    if got and (got == VALUE[-3:] if name == "sysv-sem" else
+                VALUE.encode()[-12:] in (got if isinstance(got, bytes) else str(got).encode())):
         found.append(name)
 
 def keyring(ring):
@@ -552,7 +559,7 @@ def as_response(program: str) -> str:
 def stdlib_file(name: str) -> str:
     import os
 
-    return os.path.join(os.path.dirname(os.__file__), name)  # the sandbox's own (/py/...), read-only
+    return os.path.join(os.path.dirname(os.__file__), name)  # the sandbox's own copy (or /py/...), read-only
 
 
 def lock_writer(bits: str, base: int, hold: float) -> None:
@@ -734,7 +741,7 @@ def cache_reader(n: int, name: str) -> None:
 
 def cache_pair(bits: str) -> tuple[list[str], dict]:
     """(writer, reader) on a large shared file chosen at random (so that runs beside it collide rarely)."""
-    lib = os.path.dirname(os.__file__)
+    lib = (rewards._sandbox_root() or "") + os.path.realpath(os.path.dirname(os.__file__))  # what sandboxes see
     big = sorted(os.path.relpath(os.path.join(d, f), lib) for d, _, files in os.walk(lib) for f in files
                  if f.endswith(".py") and os.path.getsize(os.path.join(d, f)) > 4096 * (len(bits) + 1))
     name = secrets.choice(big)
@@ -753,8 +760,11 @@ def test_a_page_cache_copier_in_a_later_batch_scores_nothing(clean_machine):
 
 def test_the_page_cache_carries_the_answer_without_the_filter(probed, monkeypatch):
     monkeypatch.setattr(rewards, "SHARED_STATE_RULES", ())
-    bits = secret_bits()
-    (writer_, reader_), tests = cache_pair(bits)
+    if rewards._sandbox_root():  # the sandbox root alone closes it too: every page of it is always cached
+        (writer_, reader_), tests = cache_pair(secret_bits())
+        assert [rewards.score_code(writer_, tests), rewards.score_code(reader_, tests)] == [1.0, 0.0]
+    monkeypatch.setattr(rewards, "_root", False)  # the host's directories, as an unprivileged scorer has them
+    (writer_, reader_), tests = cache_pair(secret_bits())
     assert [rewards.score_code(writer_, tests), rewards.score_code(reader_, tests)] == [1.0, 1.0]
 
 
@@ -845,3 +855,117 @@ def test_the_hosts_proc_sys_is_not_there():
     program = "import os\nprint(os.listdir('/proc/sys'), os.path.exists('/proc/sys/fs/inode-nr'))"
     assert os.path.exists("/proc/sys/fs/inode-nr")
     assert rewards.run_sandboxed(program, timeout=10)[1].split() == ["[]", "False"]
+
+
+# -- what one sandbox holds, all its processes together --------------------------------------------------
+# Six children touching 1 GiB each: per-process limits alone let it hold 6 GiB of the host.
+GREEDY = ("```python\nimport os, time\nfor _ in range(6):\n    if os.fork() == 0:\n"
+          "        block = b'x' * (1 << 30)\n        time.sleep(30)\n        os._exit(0)\n"
+          "def add(a, b):\n    return a + b\ntime.sleep(8)\n```")
+ADD = {"test": "def check(candidate):\n    assert candidate(2, 3) == 5\n", "entry_point": "add"}
+RIGHT, WRONG = "```python\ndef add(a, b):\n    return a + b\n```", "```python\ndef add(a, b):\n    return a - b\n```"
+
+
+def available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+
+
+def least_available_while(fn) -> tuple[object, int]:
+    """fn()'s result and how far the host's MemAvailable fell below its start meanwhile (bytes)."""
+    start, low, done = available(), [available()], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            low.append(available())
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        thread.join()
+    return result, start - min(low)
+
+
+@pytest.mark.slow
+def test_a_greedy_response_holds_its_budget_at_most_and_scores_nothing(clean_machine):
+    """Six children of 1 GiB each: the sandbox holds at most CODE_MEMORY_BYTES of the host (and some slack
+    for the scorer's other sandboxes), scores 0 though its function is right, and its siblings score as they
+    would alone."""
+    if available() < 8 << 30:
+        pytest.skip("the unbounded case needs 6 GiB free to show")
+    scores, held = least_available_while(lambda: compute_rewards(
+        [GREEDY, RIGHT, WRONG, RIGHT], [ADD] * 4, ["code"] * 4, num_workers=4, code_timeout=4))
+    assert scores == [0.0, 1.0, 0.0, 1.0]
+    assert held < rewards.CODE_MEMORY_BYTES + (512 << 20), held >> 20
+
+
+def test_the_watchdog_bounds_it_where_no_cgroup_can(probed, monkeypatch):
+    """The fallback without cgroups: the watchdog kills the sandbox once its processes together pass the
+    budget (by polling, so with some slack)."""
+    monkeypatch.setattr(rewards, "_bound", ("watchdog", []))
+    program = GREEDY.removeprefix("```python\n").removesuffix("```") + "print(add(2, 3))\n"
+    (rc, out, _), held = least_available_while(lambda: rewards.run_sandboxed(program, timeout=10))
+    assert (rc, out) == (-9, "")
+    assert held < rewards.CODE_MEMORY_BYTES + (512 << 20), held >> 20
+    assert rewards.run_sandboxed("print(2 + 3)", timeout=10)[:2] == (0, "5\n")  # within it, as before
+
+
+def test_a_sandbox_dies_first_when_the_host_runs_short():
+    program = ("import os\nr, w = os.pipe()\nif os.fork() == 0:\n"
+               "    os.write(w, open('/proc/self/oom_score_adj').read().encode())\n    os._exit(0)\n"
+               "print(open('/proc/self/oom_score_adj').read().strip(), os.read(r, 16).decode().strip())")
+    assert rewards.run_sandboxed(program, timeout=10)[1].split() == ["1000", "1000"]
+
+
+def test_the_start_up_line_names_the_bound():
+    line = subprocess.run([sys.executable, "-c", "import rewards; rewards.sandbox_mode()"], cwd=ROOT,
+                          capture_output=True, text=True).stderr
+    kind, _ = rewards._memory_bound()
+    assert line.count("\n") == 1 and f"at most {rewards.CODE_MEMORY_BYTES >> 30} GiB" in line, line
+    assert (f"cgroup v{kind[-1]}" if kind.startswith("cgroup") else "a watchdog") in line, line
+    assert ("a copy of the interpreter" in line) == (os.geteuid() == 0), line
+
+
+# -- the page cache by timing: a sandbox reads the files of its 1-bits, a later one times a read of each ---
+TIMED = 'sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "encodings", "*.py")))[:64]'
+CACHE_TIME_WRITER = f"import glob, os\nbits = {{bits!r}}\nfor path, bit in zip({TIMED}, bits):\n" \
+                    "    if bit:\n        with open(path, 'rb') as f:\n            f.read()\n"
+CACHE_TIME_READER = (f"import glob, os, time\ntimes = []\nfor path in {TIMED}:\n    fd = os.open(path, os.O_RDONLY)\n"
+                     "    t = time.perf_counter_ns()\n    os.pread(fd, 4096, 0)\n"
+                     "    times.append(time.perf_counter_ns() - t)\n    os.close(fd)\nprint(times)\n")
+
+
+def timing_channel(rounds: int) -> float:
+    """The share of bits a later sandbox decodes from read times, after the files were evicted on the host
+    (as memory pressure would): a read faster than the geometric middle of the 10th and 90th percentile
+    times is a 1."""
+    stdlib = os.path.realpath(os.path.dirname(os.__file__))
+    right = 0
+    for _ in range(rounds):
+        bits = [1] * 32 + [0] * 32
+        secrets.SystemRandom().shuffle(bits)
+        for where in (stdlib, (rewards._sandbox_root() or "") + stdlib):
+            for path in glob.glob(os.path.join(where, "encodings", "*.py")):
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # nothing, on the sandbox root's ramfs
+                os.close(fd)
+        rewards.run_sandboxed(CACHE_TIME_WRITER.format(bits=bits), timeout=10)
+        times = json.loads(rewards.run_sandboxed(CACHE_TIME_READER, timeout=10)[1])
+        q = sorted(times)
+        cut = (q[6] * q[57]) ** 0.5
+        right += sum((t < cut) == bit for t, bit in zip(times, bits))
+    return right / (64 * rounds)
+
+
+@as_root
+def test_read_times_tell_a_later_sandbox_nothing():
+    assert timing_channel(rounds=4) < 0.65  # chance is 0.5; 256 bits at chance pass 0.65 once in 10**6
+
+
+@as_root
+def test_read_times_carry_bits_through_the_hosts_files(probed, monkeypatch):
+    monkeypatch.setattr(rewards, "_root", False)  # the host's directories bound, as unprivileged
+    assert timing_channel(rounds=2) > 0.9
