@@ -58,12 +58,14 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run directory, checkpoints, metrics)
     check_args,
+    check_jit_cache,
     check_output_dir,
     damaged_shard,
     exit_without_teardown,
     first_line,
     gpu_memory,
     installed_versions,
+    jit_extensions_dir,
     load_training_state,
     memory_model,
     model_flops_fn,
@@ -79,7 +81,6 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     step_metrics,
     token_budget,
 )
-from jit_cache import check_jit_cache, jit_extensions_dir  # noqa: E402  (DeepSpeed's JIT-built ops)
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_extensions_dir())  # a user's own choice is kept
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# This session's sandboxes run as uids of their own (rewards.SANDBOX_UIDS), so that a test that looks for
-# leftover sandbox processes sees only the ones this session started, not another session's on the machine.
+# The test run's sandboxes run as uids of their own (sandbox.SANDBOX_UIDS), so that a test that looks for
+# leftover sandbox processes sees only the ones the test run started, not another test run's on the machine.
 os.environ.setdefault("REWARDS_SANDBOX_UID_BASE", str(0x7F000000 + 65536 * secrets.randbelow(255)))
 sys.path.insert(0, str(ROOT))
-import rewards  # noqa: E402  (after the uid range is chosen)
+from sandboxed import sandbox  # noqa: E402  (after the uid range is chosen)
 
 BENCHMARKS = ROOT / "data" / "benchmarks"  # the copies the project ships (sources and licences in its README)
 
@@ -68,14 +68,14 @@ def long_demo_model(demo_dir, tmp_path_factory) -> Path:
 
 
 def sandbox_processes() -> list[str]:
-    """Processes of this session's sandboxes (the uids conftest gave this session) still running."""
+    """Processes of the test run's sandboxes (the uids conftest gave it) still running."""
     out = subprocess.run(["ps", "-eo", "uid=,args="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if int(line.split()[0]) in rewards.SANDBOX_UIDS]
+    return [line for line in out.splitlines() if int(line.split()[0]) in sandbox.SANDBOX_UIDS]
 
 
 @pytest.fixture
 def clean_machine():
-    """After the test: none of this session's sandbox processes left, no sandbox directory left."""
+    """After the test: none of the test run's sandbox processes left, no sandbox directory left."""
     before = set(os.listdir("/tmp"))
     pools = {p: set(os.listdir(p)) for p in Path("/tmp").glob("rewards-pool-*")}
     yield
@@ -86,26 +86,26 @@ def clean_machine():
     assert not {f for f in set(os.listdir("/tmp")) - before if f.startswith("reward-")}
     for pool_dir in Path("/tmp").glob("rewards-pool-*"):  # the batch workers' (weaker modes only)
         assert not set(os.listdir(pool_dir)) - pools.get(pool_dir, set())
-    # nor a sandbox's own tmpfs (root: rewards._private_tmpfs), unmounted in the background once it ends
+    # nor a sandbox's own tmpfs (root: sandbox._private_tmpfs), unmounted in the background once it ends
     while (sandbox_mounts() or sandbox_cgroups()) and time.time() < deadline + 5:
         time.sleep(0.1)
     assert not sandbox_mounts()
-    assert not sandbox_cgroups()  # nor a sandbox's cgroup (root: rewards._sandbox_cgroup), removed once empty
+    assert not sandbox_cgroups()  # nor a sandbox's cgroup (root: sandbox._sandbox_cgroup), removed once empty
 
 
 def sandbox_cgroups() -> list[str]:
-    """The cgroups of this session's sandboxes still there."""
-    kind, bases = rewards._memory_bound()
+    """The cgroups of the test run's sandboxes still there."""
+    kind, bases = sandbox._memory_bound()
     return [os.path.join(base, name) for base in bases for name in os.listdir(base)
-            if name.isdigit() and int(name) in rewards.SANDBOX_UIDS]
+            if name.isdigit() and int(name) in sandbox.SANDBOX_UIDS]
 
 
 def sandbox_mounts() -> list[str]:
-    """Mount points of this session's sandboxes' tmpfs (the uids conftest gave this session) still mounted."""
-    root = rewards._TMPFS_ROOT.rstrip("/") + "/"
+    """Mount points of the test run's sandboxes' tmpfs (the uids conftest gave it) still mounted."""
+    root = sandbox._TMPFS_ROOT.rstrip("/") + "/"
     points = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
     return [m for m in points if m.startswith(root) and m[len(root):].isdigit()
-            and int(m[len(root):]) in rewards.SANDBOX_UIDS]
+            and int(m[len(root):]) in sandbox.SANDBOX_UIDS]
 
 
 @pytest.fixture

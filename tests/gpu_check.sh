@@ -186,7 +186,7 @@ rm -f "$results"
 if [ "$(version cuda)" -gt 0 ] && [ "$(version deepspeed)" != "-" ]; then
   for shape in ${GPU_CHECK_SHAPES:-qwen2.5-1.5b qwen2.5-3b}; do
     start=$SECONDS
-    "$py" -m deepspeed.launcher.runner --num_gpus "$(version cuda)" --master_port 29673 bench_step.py --update-only \
+    "$py" -m deepspeed.launcher.runner --num_gpus "$(version cuda)" --master_port 29673 --module scripts.bench_step --update-only \
       --shape "$shape" --out "bench_update_$shape.json" || status=1
     say "update benchmark, $shape: $((SECONDS - start)) s"
   done

@@ -263,7 +263,7 @@ def test_chunked_logprobs_equal_the_full_softmax(chunk):
 
 
 def test_length_drift_push_on_the_stopping_decision():
-    from length_drift import hazard_push, simulated_push
+    from scripts.length_drift import hazard_push, simulated_push
 
     # one group, A = +-1/sqrt(2); hazard of lengths {1, 2}: h_1 = 1/2, h_2 = 1, so H(1) = 0.5, H(2) = 1.5;
     # seq: w = 1/(G L) = (1/2, 1/4): push = 1/2 a (1 - 0.5) + 1/4 (-a) (1 - 1.5)

@@ -16,7 +16,6 @@ import torch
 from conftest import BENCHMARKS, ENVIRON, ROOT, check_args, check_output_dir, cpu_env
 
 import grpo_run
-import jit_cache
 import train_grpo
 
 
@@ -319,13 +318,14 @@ def test_evaluate_refuses_a_checkpoint_without_its_tokenizer(tmp_path):
 @pytest.mark.slow  # seven tool processes, each importing torch and the trainer: about 20 s
 def test_ablation_checks_every_argument_before_the_first_run(tmp_path):
     out = ["--out", str(tmp_path / "abl")]
-    one_line_error(run("ablation.py", "--nproc", "0", *out), "--nproc must be at least 1")
-    one_line_error(run("ablation.py", *out, "--", "--lr", "-1"), "--lr must be in (0, 1]")
-    one_line_error(run("ablation.py", "--eval-args", "--n 0", *out), "--n must be at least 1")
-    one_line_error(run("ablation.py", *out, "--", "--no-std-norm"), "the ablation's dr-grpo already sets it")
-    one_line_error(run("compare_rules.py", str(tmp_path / "abl")), "no such directory")
+    one_line_error(run("scripts.ablation", "--nproc", "0", *out), "--nproc must be at least 1")
+    one_line_error(run("scripts.ablation", *out, "--", "--lr", "-1"), "--lr must be in (0, 1]")
+    one_line_error(run("scripts.ablation", "--eval-args", "--n 0", *out), "--n must be at least 1")
+    one_line_error(run("scripts.ablation", *out, "--", "--no-std-norm"), "the ablation's dr-grpo already sets it")
+    one_line_error(run("scripts.compare_rules", str(tmp_path / "abl")), "no such directory")
     for task in ("lab", "nope"):
-        one_line_error(run("compare_rules.py", "--predict", task), "knows the right responses of the lab-check tasks")
+        one_line_error(run("scripts.compare_rules", "--predict", task),
+                       "knows the right responses of the lab-check tasks")
     assert not (tmp_path / "abl").exists()
 
 
@@ -669,13 +669,13 @@ def test_jit_cache_is_per_install(monkeypatch):
     import importlib.util
     from types import SimpleNamespace
 
-    here = jit_cache.jit_extensions_dir()
+    here = grpo_run.jit_extensions_dir()
     # set at import, unless the user set it (conftest.ENVIRON: the environment before the trainer's import)
     assert os.environ["TORCH_EXTENSIONS_DIR"] == ENVIRON.get("TORCH_EXTENSIONS_DIR", here)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
         origin="/elsewhere/.venv/deepspeed/__init__.py") if name == "deepspeed" else real(name))
-    other = jit_cache.jit_extensions_dir()
+    other = grpo_run.jit_extensions_dir()
     assert other != here and os.path.dirname(other) == os.path.dirname(here)
 
 
@@ -683,13 +683,13 @@ def test_a_stale_jit_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeyp
     import threading
 
     cfg = train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)
-    assert jit_cache.jit_ops(cfg) == ["deepspeed_shm_comm"]  # on the CPU: its collectives
+    assert grpo_run.jit_ops(cfg) == ["deepspeed_shm_comm"]  # on the CPU: its collectives
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
     lock.write_text("")  # left by a launch killed while it built: torch would wait for it forever
-    assert jit_cache.on_local_filesystem(lock)
-    jit_cache.check_jit_cache(cfg, 0)
+    assert grpo_run.on_local_filesystem(lock)
+    grpo_run.check_jit_cache(cfg, 0)
     out = capsys.readouterr().out
     assert not lock.exists() and f"[grpo] removed {lock}: a JIT build lock whose builder is gone" in out
     assert "[grpo] building DeepSpeed's deepspeed_shm_comm op into" in out  # what the next minute is
@@ -700,21 +700,21 @@ def test_a_stale_jit_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeyp
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert builder.stdout.readline().strip() == "open"
-        assert jit_cache.lock_holders(lock) == [builder.pid]
-        jit_cache.check_jit_cache(cfg, 0)  # a build running on this machine: left to torch, which waits for it
+        assert grpo_run.lock_holders(lock) == [builder.pid]
+        grpo_run.check_jit_cache(cfg, 0)  # a build running on this machine: left to torch, which waits for it
         assert lock.exists()
     finally:
         builder.kill()
         builder.wait()
 
     # a cache shared with other machines: waited for, then named with the command that clears it
-    monkeypatch.setattr(jit_cache, "on_local_filesystem", lambda path: False)
+    monkeypatch.setattr(grpo_run, "on_local_filesystem", lambda path: False)
     with pytest.raises(ValueError, match=re.escape(f"held by no process on this machine for 0 s, left by a launch "
                                                    f"killed while it built; if no other node builds into this "
                                                    f"cache, rm {lock}")):
-        jit_cache.clear_stale_build_lock(lock, speak=True, wait_s=0.3)
+        grpo_run.clear_stale_build_lock(lock, speak=True, wait_s=0.3)
     threading.Timer(0.5, lock.unlink).start()  # another node's build ends
-    jit_cache.clear_stale_build_lock(lock, speak=True, wait_s=30)
+    grpo_run.clear_stale_build_lock(lock, speak=True, wait_s=30)
     assert "another node building into a shared cache?" in capsys.readouterr().out
 
 
@@ -722,12 +722,12 @@ def test_an_unwritable_jit_cache_is_one_line(tmp_path, monkeypatch, files):
     cfg = train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(files / "a_file" / "ext"))
     with pytest.raises(ValueError, match=re.escape(f"the JIT extension cache {files}/a_file/ext is not writable")):
-        jit_cache.check_jit_cache(cfg, 0)
+        grpo_run.check_jit_cache(cfg, 0)
     # on CUDA nothing is JIT-built by default (torch's fused AdamW); optimizer offload builds CPU Adam
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert jit_cache.jit_ops(train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)) == []
+    assert grpo_run.jit_ops(train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)) == []
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    assert jit_cache.jit_ops(cfg) == ["cpu_adam"]
+    assert grpo_run.jit_ops(cfg) == ["cpu_adam"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -755,7 +755,7 @@ def test_a_bad_dataset_file_names_its_line_and_what_is_expected(data, name, mess
 
 
 def test_length_drift_never_prints_an_empty_result(tmp_path, monkeypatch):
-    import length_drift
+    from scripts import length_drift
 
     run = tmp_path / "abl" / "lab-balanced-s1"
     (run / "checkpoints" / "step_000010").mkdir(parents=True)
@@ -788,7 +788,7 @@ BENCH = [(["--repeats", "0"], "--repeats must be at least 1"),
 
 @pytest.mark.parametrize("flags,message", BENCH, ids=[" ".join(f) for f, _ in BENCH])
 def test_bench_step_checks_its_arguments_before_any_engine(flags, message, monkeypatch, capsys):
-    import bench_step
+    from scripts import bench_step
 
     monkeypatch.setattr(sys, "argv", ["bench_step.py", *flags])
     with pytest.raises(SystemExit):
@@ -798,7 +798,7 @@ def test_bench_step_checks_its_arguments_before_any_engine(flags, message, monke
 
 
 def test_bench_step_refuses_a_read_only_out(tmp_path):
-    res = read_only(tmp_path, "bench_step.py", "--update-only", "--out", str(tmp_path / "b.json"))
+    res = read_only(tmp_path, "-m", "scripts.bench_step", "--update-only", "--out", str(tmp_path / "b.json"))
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert res.stderr.splitlines()[-1] == f"bench_step.py: error: --out {tmp_path / 'b.json'}: its directory is not " \
         "writable", res.stderr[-2000:]
@@ -816,7 +816,7 @@ def short_ablation(root, steps: int = 3):
 
 @pytest.mark.parametrize("summary", [False, True])
 def test_length_drift_on_runs_shorter_than_its_tables(summary, tmp_path, monkeypatch):
-    import length_drift
+    from scripts import length_drift
 
     abl = short_ablation(tmp_path / "ablation-lab")  # once IndexError; with --summary, KeyError: 2
     monkeypatch.setattr(sys, "argv", ["length_drift.py", *(["--summary"] if summary else []), str(abl)])
@@ -828,7 +828,7 @@ def test_length_drift_on_runs_shorter_than_its_tables(summary, tmp_path, monkeyp
 
 
 def test_length_drift_checks_its_other_arguments(tmp_path, monkeypatch, capsys, files):
-    import length_drift
+    from scripts import length_drift
 
     abl = short_ablation(tmp_path / "ablation-lab", steps=40)
     (abl / "lab-balanced-s1" / "args.json").write_text("{}")
@@ -847,9 +847,9 @@ def test_length_drift_checks_its_other_arguments(tmp_path, monkeypatch, capsys, 
 
 
 def test_ablation_refuses_a_read_only_out_before_any_run(tmp_path, monkeypatch, capsys, files):
-    import ablation
+    from scripts import ablation
 
-    res = read_only(tmp_path, "ablation.py", "--out", str(tmp_path / "abl"))  # once OSError at mkdir
+    res = read_only(tmp_path, "-m", "scripts.ablation", "--out", str(tmp_path / "abl"))  # once OSError at mkdir
     one_line_error(res, f"ablation.py: error: {tmp_path / 'abl'} is not writable ([Errno 30] Read-only file system")
     for argv, message in ((["--out", str(files / "a_file" / "abl")], "a_file/abl is not writable"),
                           (["--out", str(tmp_path / "abl"), "--eval-args", '"--n 8'], "No closing quotation")):
@@ -869,7 +869,7 @@ def test_prepare_names_its_own_flags(tmp_path):
 
 
 def test_ablation_refuses_a_file_as_its_output_and_seeds_out_of_range(files, monkeypatch, capsys):
-    import ablation
+    from scripts import ablation
 
     for flags, message in ((["--out", str(files / "a_file")], "is a file; give a directory"),
                            (["--out", str(files / "abl"), "--seeds", "1", "-1"], "--seed must be in [0, 2147483647]")):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-import compare_rules as C
+from scripts import compare_rules as C
 
 
 def t_sf_numeric(t: float, df: int) -> float:
@@ -87,8 +87,8 @@ def test_compare_refuses_runs_that_are_not_paired_or_not_finished(tmp_path):
 
 def test_the_ablations_dr_grpo_is_dr_grpo_and_every_other_rule_keeps_the_std():
     """Dr. GRPO is its normaliser with unscaled advantages: the ablation's dr-grpo run gets both."""
-    import ablation
     import train_grpo
+    from scripts import ablation
 
     for agg in train_grpo.AGGS:
         a = train_grpo.parse_args(ablation.train_args("lab", agg, "ppo", 1, "runs/x", ["--lr", "1e-4"]))
@@ -96,7 +96,7 @@ def test_the_ablations_dr_grpo_is_dr_grpo_and_every_other_rule_keeps_the_std():
 
 
 def test_ablation_records_the_commit_that_trains_each_run():
-    import ablation
+    from scripts import ablation
 
     sha = ablation.code_commit()
     assert len(sha.split("+")[0]) == 40 or sha == "unknown"
@@ -108,34 +108,36 @@ def test_reproduce_lists_every_experiment_and_refuses_an_unknown_one():
 
     from conftest import ROOT
 
-    res = subprocess.run([sys.executable, "reproduce.py", "--list"], cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "scripts.reproduce", "--list"], cwd=ROOT, capture_output=True,
+                         text=True)
     assert res.returncode == 0
-    import reproduce
+    from scripts import reproduce
 
     for name, (_, ablations, _tables) in reproduce.EXPERIMENTS.items():
         assert res.stdout.count(f"{name}: ") >= 1
         for a in ablations:
-            assert f"python ablation.py {' '.join(a)}" in res.stdout
-    bad = subprocess.run([sys.executable, "reproduce.py", "nope"], cwd=ROOT, capture_output=True, text=True)
+            assert f"python -m scripts.ablation {' '.join(a)}" in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "scripts.reproduce", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("reproduce.py: error: unknown")
 
 
 def test_reproduce_rewrites_only_the_sections_asked_for_with_their_runs_commits(tmp_path, monkeypatch):
-    import reproduce
+    from scripts import reproduce
 
     monkeypatch.setattr(reproduce, "ROOT", tmp_path)
     monkeypatch.setattr(reproduce, "RESULTS", tmp_path / "results.md")
     (tmp_path / "runs" / "a").mkdir(parents=True)
     (tmp_path / "runs" / "a" / "x-seq-s1.commit").write_text("a" * 40 + "\n")
     (tmp_path / "runs" / "a" / "x-token-s1.commit").write_text("b" * 40 + "+dirty\n")
-    table = ["-c", "import sys; print('| seq | 1.0 ± 0.1 |')", "runs/a"]
-    monkeypatch.setattr(reproduce, "EXPERIMENTS", {"one": ("first", [["--model", "lab"]], [table]),
-                                                   "two": ("second", [], [["-c", "print('| two | 2 ± 0 |')"]])})
+    (tmp_path / "table_one.py").write_text("print('| seq | 1.0 ± 0.1 |')\n")  # a table's module, run with -m
+    (tmp_path / "table_two.py").write_text("print('| two | 2 ± 0 |')\n")
+    monkeypatch.setattr(reproduce, "EXPERIMENTS", {"one": ("first", [["--model", "lab"]], [["table_one", "runs/a"]]),
+                                                   "two": ("second", [], [["table_two"]])})
     reproduce.write_sections(["one", "two"])
     text = (tmp_path / "results.md").read_text()
     assert "| seq | 1.0 ± 0.1 |" in text and "| two | 2 ± 0 |" in text
     assert f"Runs trained at commits {'a' * 10}, {'b' * 10}+dirty" in text
-    monkeypatch.setitem(reproduce.EXPERIMENTS, "two", ("second", [], [["-c", "print('| two | 3 ± 0 |')"]]))
+    (tmp_path / "table_two.py").write_text("print('| two | 3 ± 0 |')\n")
     reproduce.write_sections(["two"])
     again = (tmp_path / "results.md").read_text()
     assert "| two | 3 ± 0 |" in again and "| two | 2 ± 0 |" not in again and "| seq | 1.0 ± 0.1 |" in again

@@ -1,5 +1,5 @@
 """The published numbers: every measured table row of the README and docs/ is a row of
-docs/results.md, which `python reproduce.py` regenerates from the runs (per seed, with the commit
+docs/results.md, which `python -m scripts.reproduce` regenerates from the runs (per seed, with the commit
 they were trained at). A table kept from before reproduce.py must sit in a block that says so."""
 
 import re
@@ -29,7 +29,7 @@ def test_every_published_table_row_is_regenerated_by_reproduce():
             continue
         text = page.read_text()
         for block in LEGACY.findall(text):  # a legacy block says which commit and how to regenerate it
-            assert "commit" in block and "python reproduce.py" in block, block[:200]
+            assert "commit" in block and "python -m scripts.reproduce" in block, block[:200]
         for row in measured_rows(LEGACY.sub("", text)):
             if row in generated:
                 continue

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-import rewards
+from sandboxed import sandbox
 
 pytestmark = pytest.mark.skipif(not shutil.which("bwrap"), reason="the filter is bubblewrap's")
 
@@ -92,20 +92,20 @@ def rule_key(rule: tuple) -> tuple:
 
 
 def run_probes(probes: list) -> list[int]:
-    calls = [[rewards._syscall_number(name),
+    calls = [[sandbox._syscall_number(name),
               [a.decode("latin-1") if isinstance(a, bytes) else a for a in args]] for name, _, _, args in probes]
-    _, out, _ = rewards.run_sandboxed(_PROBE.format(calls=json.dumps(calls)), timeout=10)
+    _, out, _ = sandbox.run_sandboxed(_PROBE.format(calls=json.dumps(calls)), timeout=10)
     return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def under_the_whole_filter() -> list[int]:
-    rewards.sandbox_mode()
+    sandbox.sandbox_mode()
     return run_probes(PROBES)
 
 
 def test_every_rule_has_a_probe_and_every_probe_a_rule():
-    rules = [rule_key(rule) for rule in rewards.seccomp_rules()]
+    rules = [rule_key(rule) for rule in sandbox.seccomp_rules()]
     assert len(rules) == len(set(rules)), "a rule appears twice"
     assert set(rules) == {(name, value) for name, value, _, _ in PROBES}
 
@@ -120,7 +120,7 @@ def test_its_rule_alone_refuses_it(k, under_the_whole_filter, monkeypatch):
     """The filter less this probe's rule lets the call through to the kernel, which answers otherwise: the
     test above fails when the rule goes."""
     name, value, code, _ = PROBES[k]
-    rules = rewards.seccomp_rules()
-    monkeypatch.setattr(rewards, "seccomp_rules", lambda: tuple(r for r in rules if rule_key(r) != (name, value)))
+    rules = sandbox.seccomp_rules()
+    monkeypatch.setattr(sandbox, "seccomp_rules", lambda: tuple(r for r in rules if rule_key(r) != (name, value)))
     got = run_probes([PROBES[k]])[0]
     assert got != code, f"{label(PROBES[k])} still gets {errno.errorcode[code]} without its rule"

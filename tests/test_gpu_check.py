@@ -116,7 +116,8 @@ def test_update_path_without_vllm_resumes_exactly(tmp_path):
 @pytest.mark.slow
 def test_update_benchmark_prints_mfu_and_the_forward_only_batch_cuts_gathers(tmp_path):
     out = tmp_path / "update.json"
-    res = subprocess.run([*LAUNCHER, "--num_gpus", "2", "--master_port", "29675", "bench_step.py", "--update-only",
+    res = subprocess.run([*LAUNCHER, "--num_gpus", "2", "--master_port", "29675", "--module", "scripts.bench_step",
+                          "--update-only",
                           "--shape", "tiny", "--force-release", "--peak-tflops", "0.5", "--update-responses", "16",
                           "--prompt-len", "16", "--response-len", "48", "--repeats", "1", "--out", str(out)],
                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
@@ -248,7 +249,7 @@ def test_gpu_check_names_every_package_whose_absence_skipped_a_test(tmp_path):
 
 
 def test_micro_batches_by_token_budget():
-    from bench_step import padding_share, synthetic_rollouts
+    from scripts.bench_step import padding_share, synthetic_rollouts
     from train_grpo import micro_batches
 
     rollouts = synthetic_rollouts(64, 512, 1536, 1000, seed=0)  # GRPO-like lengths: 768-2048 tokens
@@ -312,8 +313,8 @@ def hand_count(h, i, L, heads, kv_heads, d, vocab, tied):
 def test_memory_model_counts_what_a_micro_batch_holds(shape):
     from types import SimpleNamespace
 
-    from bench_step import SHAPES
     from grpo_run import memory_model, token_budget
+    from scripts.bench_step import SHAPES
 
     cfg = SimpleNamespace(**SHAPES[shape])
     h, i, L, heads, kv_heads, d, vocab, tied = HAND[shape]

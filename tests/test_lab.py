@@ -104,7 +104,8 @@ def metrics(run) -> list[dict]:
 def ablation(tmp_path_factory):
     """`ablation.py` on the lab, one seed, a few steps: three 2-rank runs, then evaluate.py."""
     out = tmp_path_factory.mktemp("ablation")
-    cmd = [sys.executable, "ablation.py", "--model", "lab", "--seeds", "1", "--out", str(out), "--eval-args", EVAL,
+    cmd = [sys.executable, "-m", "scripts.ablation", "--model", "lab", "--seeds", "1", "--out", str(out),
+           "--eval-args", EVAL,
            "--", "--steps", STEPS]
     res = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -139,7 +139,7 @@ def test_the_measured_budget_reads_the_engine_as_deepspeed_names_it(monkeypatch)
 
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from bench_step import SHAPES
+    from scripts.bench_step import SHAPES
 
     assert callable(DeepSpeedEngine.zero_max_live_parameters)
     config = SimpleNamespace(**SHAPES["qwen2.5-3b"])

@@ -17,6 +17,7 @@ from conftest import BENCHMARKS
 import rewards
 from data.prepare import load_rows
 from rewards import compute_rewards
+from sandboxed import sandbox
 
 _FIND_SECRET = '''
 import os, re, sys
@@ -208,7 +209,7 @@ def test_hack_scores_zero_on_every_function_test_problem(family):
     assert [r["id"] for r, s in zip(rows, scores) if s != 0.0] == []
 
 
-def in_process_check(code: str, tests: dict, timeout: float = rewards.CODE_TIMEOUT_S) -> bool:
+def in_process_check(code: str, tests: dict, timeout: float = sandbox.CODE_TIMEOUT_S) -> bool:
     """The harness rewards.py had before issue #17: solution, tests and check in one sandboxed
     process, which prints a nonce (read from stdin) only once check() has returned."""
     import secrets
@@ -222,7 +223,7 @@ def in_process_check(code: str, tests: dict, timeout: float = rewards.CODE_TIMEO
         f"exec(compile({tests['test']!r}, 'test.py', 'exec'), _ns)\n"
         f"_ns['check'](_f)\nprint(_n, flush=True)\n"
     )
-    rc, out, timed_out = rewards.run_sandboxed(harness, nonce + "\n", timeout)
+    rc, out, timed_out = sandbox.run_sandboxed(harness, nonce + "\n", timeout)
     return rc == 0 and not timed_out and out.strip().endswith(nonce)
 
 

@@ -16,6 +16,7 @@ from reward_cases import BENCHMARKS, FILES, cases
 
 import rewards
 from rewards import code_reward, compute_rewards, extract_answer, math_reward, normalize
+from sandboxed import sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOWN = json.loads((Path(__file__).parent / "data" / "reward_known_failures.json").read_text())
@@ -219,8 +220,8 @@ def test_stdio_tests_pass_fraction_and_whitespace():
 # -- code: hostile programs -------------------------------------------------------------------------
 
 try:
-    FULL_ISOLATION = rewards.sandbox_mode() == "bwrap" or (os.geteuid() == 0 and rewards._python_readable_by_others())
-except rewards.SandboxUnavailable:
+    FULL_ISOLATION = sandbox.sandbox_mode() == "bwrap" or (os.geteuid() == 0 and sandbox._python_readable_by_others())
+except sandbox.SandboxUnavailable:
     FULL_ISOLATION = False
 needs_isolation = pytest.mark.skipif(not FULL_ISOLATION, reason="no bubblewrap and cannot drop privileges here")
 ECHO_TEST = {"test": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "f"}
@@ -323,7 +324,7 @@ def test_output_flood_is_cut_off(clean_machine, tests):
 
 
 def test_output_up_to_the_cap_is_read_whole(clean_machine):
-    size = rewards.CODE_MAX_OUTPUT_BYTES // 2
+    size = sandbox.CODE_MAX_OUTPUT_BYTES // 2
     tests = {"stdio": [{"input": "", "output": "y" * size}]}
     assert code_reward(fenced(f"import sys\nsys.stdout.write('y' * {size})"), tests) == 1.0
     over = {"stdio": [{"input": "", "output": "y" * (2 * size + 10)}]}  # right answer, but past the cap
@@ -375,12 +376,12 @@ PLAIN = [None, True, 0, -2**200, 1.5, -0.0, float("inf"), float("-inf"), 1 + 2j,
 
 def test_plain_data_crosses_with_its_types():
     for value in PLAIN:
-        back = rewards.decode_plain(json.loads(json.dumps(rewards.encode_plain(value))))
+        back = sandbox.decode_plain(json.loads(json.dumps(sandbox.encode_plain(value))))
         assert back == value and repr(back) == repr(value), value
-    nan = rewards.decode_plain(rewards.encode_plain(float("nan")))
+    nan = sandbox.decode_plain(sandbox.encode_plain(float("nan")))
     assert type(nan) is float and nan != nan
-    assert rewards.decode_plain(rewards.encode_plain(True)) is True
-    assert type(rewards.decode_plain(rewards.encode_plain(1))) is int  # not a bool
+    assert sandbox.decode_plain(sandbox.encode_plain(True)) is True
+    assert type(sandbox.decode_plain(sandbox.encode_plain(1))) is int  # not a bool
 
 
 def test_subclasses_cross_as_their_builtin_value_and_anything_else_not_at_all():
@@ -392,18 +393,18 @@ def test_subclasses_cross_as_their_builtin_value_and_anything_else_not_at_all():
 
         __hash__ = int.__hash__
 
-    assert type(rewards.decode_plain(rewards.encode_plain(Counter("aab")))) is dict
-    assert rewards.decode_plain(rewards.encode_plain(namedtuple("P", "x y")(1, 2))) == (1, 2)
-    back = rewards.decode_plain(rewards.encode_plain(AnyInt(5)))
+    assert type(sandbox.decode_plain(sandbox.encode_plain(Counter("aab")))) is dict
+    assert sandbox.decode_plain(sandbox.encode_plain(namedtuple("P", "x y")(1, 2))) == (1, 2)
+    back = sandbox.decode_plain(sandbox.encode_plain(AnyInt(5)))
     assert type(back) is int and back == 5 and back != 6  # the override stayed behind
     for value in (object(), iter([1]), [1, object()], range(3), lambda: 1, type, rewards):
         with pytest.raises(ValueError):
-            rewards.encode_plain(value)
+            sandbox.encode_plain(value)
     deep = []
     for _ in range(200):
         deep = [deep]
     with pytest.raises(ValueError):
-        rewards.encode_plain(deep)
+        sandbox.encode_plain(deep)
 
 
 @pytest.mark.parametrize("message", [1, 1.5, "raw", {"i": "1"}, ["i", 1], ["x", "1"], ["l", "ab"], ["d", [[1]]],
@@ -411,7 +412,7 @@ def test_subclasses_cross_as_their_builtin_value_and_anything_else_not_at_all():
 def test_decode_rejects_what_no_encoding_produces(message):
     """Raw JSON numbers, objects, unknown tags, malformed bodies, unhashable set members: refused."""
     with pytest.raises((ValueError, TypeError)):
-        rewards.decode_plain(message)
+        sandbox.decode_plain(message)
 
 
 def function_tests(test: str, entry: str = "f") -> dict:
@@ -476,7 +477,7 @@ def test_tests_use_the_preludes_helpers_not_the_solutions():
 @needs_isolation
 def test_checking_process_is_out_of_reach(clean_machine):
     """The sandbox sees its own processes only (no checker, no pytest), and cannot signal the scorer."""
-    if rewards.sandbox_mode() != "bwrap":
+    if sandbox.sandbox_mode() != "bwrap":
         pytest.skip("only bubblewrap mounts a /proc of the sandbox's own")
     probe = ("import os, signal\ndef f():\n    seen = []\n    for p in os.listdir('/proc'):\n        if p.isdigit():\n"
              "            try:\n                seen.append(open(f'/proc/{p}/cmdline').read())\n"
@@ -492,8 +493,8 @@ def test_checking_process_is_out_of_reach(clean_machine):
 
 def test_stdio_cases_share_one_sandbox_start(monkeypatch):
     starts = []
-    real = rewards._sandbox
-    monkeypatch.setattr(rewards, "_sandbox", lambda *a, **k: starts.append(1) or real(*a, **k))
+    real = sandbox._sandbox
+    monkeypatch.setattr(sandbox, "_sandbox", lambda *a, **k: starts.append(1) or real(*a, **k))
     tests = {"stdio": [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(5)]}
     assert rewards.score_code(fenced("print(2 * int(input()))"), tests) == 1.0  # in this process
     assert len(starts) == 1

@@ -27,6 +27,7 @@ from conftest import BENCHMARKS, ROOT
 import rewards
 from data.prepare import load_rows
 from rewards import compute_rewards
+from sandboxed import sandbox
 
 pytestmark = pytest.mark.skipif(not shutil.which("bwrap"), reason="bubblewrap's isolation is what is tested")
 # As root every sandbox has a uid of its own, and the controls give them all one (the sandbox before issue #27).
@@ -204,11 +205,11 @@ WITHIN_ONE_SANDBOX = {"sysv-shm", "sysv-msg", "sysv-sem", "posix-mq", "abstract-
 def probed() -> None:
     """The start-up probe, run with the whole filter, before a control takes part of it away (the probe
     would refuse to start sandboxes without it)."""
-    rewards.sandbox_mode()
+    sandbox.sandbox_mode()
 
 
 def numbers() -> dict:
-    return {name: rewards._syscall_number(name) for name in ("add_key", "keyctl")}
+    return {name: sandbox._syscall_number(name) for name in ("add_key", "keyctl")}
 
 
 def writer(value: str, tag: str, hold: float = 0.0) -> str:
@@ -233,7 +234,7 @@ def fresh() -> tuple[str, str]:
 def test_each_probe_carries_its_value_within_one_sandbox():
     value, tag = fresh()
     both = writer(value, tag) + "\n" + reader(value, tag, wait=0.3)  # the reader's part runs after the writer's
-    _, out, _ = rewards.run_sandboxed(both, timeout=10)
+    _, out, _ = sandbox.run_sandboxed(both, timeout=10)
     (_, sent), (_, found) = report(out, "sent"), report(out, "found")
     assert not any(name.startswith("keyring") for name in sent), sent  # refused, even to itself
     assert {"file:/tmp", "file:/sandbox"} <= sent and not sent & {"file:/dev/shm", "file:/var/tmp", "file:/"}, sent
@@ -242,8 +243,8 @@ def test_each_probe_carries_its_value_within_one_sandbox():
 
 def test_nothing_reaches_a_later_sandbox():
     value, tag = fresh()
-    _, out_w, _ = rewards.run_sandboxed(writer(value, tag), timeout=10)
-    _, out_r, _ = rewards.run_sandboxed(reader(value, tag), timeout=10)
+    _, out_w, _ = sandbox.run_sandboxed(writer(value, tag), timeout=10)
+    _, out_r, _ = sandbox.run_sandboxed(reader(value, tag), timeout=10)
     assert report(out_w, "sent")[1] >= {"sysv-shm", "posix-mq", "file:/tmp"}, out_w
     assert report(out_r, "found")[1] == set(), out_r
 
@@ -253,7 +254,7 @@ def test_nothing_reaches_a_sandbox_running_beside_it():
     outs = {}
 
     def run(name: str, program: str) -> None:
-        outs[name] = rewards.run_sandboxed(program, timeout=10)[1]
+        outs[name] = sandbox.run_sandboxed(program, timeout=10)[1]
 
     held = threading.Thread(target=run, args=("writer", writer(value, tag, hold=4.0)))
     held.start()
@@ -263,28 +264,28 @@ def test_nothing_reaches_a_sandbox_running_beside_it():
     (uid_w, sent), (uid_r, found) = report(outs["writer"], "sent"), report(outs["reader"], "found")
     assert {"abstract-socket", "process-name", "sysv-shm"} <= sent, outs["writer"]
     assert found == set(), outs["reader"]
-    assert os.geteuid() != 0 or (uid_w != uid_r and {uid_w, uid_r} <= set(rewards.SANDBOX_UIDS))
+    assert os.geteuid() != 0 or (uid_w != uid_r and {uid_w, uid_r} <= set(sandbox.SANDBOX_UIDS))
 
 
 @as_root
 def test_the_keyring_carries_values_without_the_filter(probed, monkeypatch):
     """The control: one uid for every sandbox and no seccomp filter (the sandbox before issue #27), and
     the keyring carries the value to a later sandbox. The reader empties the keyrings it used."""
-    monkeypatch.setattr(rewards, "REFUSED_SYSCALLS", ())
-    one = rewards.SANDBOX_UIDS.start + secrets.randbelow(len(rewards.SANDBOX_UIDS))
-    monkeypatch.setattr(rewards, "SANDBOX_UIDS", range(one, one + 1))
+    monkeypatch.setattr(sandbox, "REFUSED_SYSCALLS", ())
+    one = sandbox.SANDBOX_UIDS.start + secrets.randbelow(len(sandbox.SANDBOX_UIDS))
+    monkeypatch.setattr(sandbox, "SANDBOX_UIDS", range(one, one + 1))
     value, tag = fresh()
-    _, out_w, _ = rewards.run_sandboxed(writer(value, tag), timeout=10)
-    _, out_r, _ = rewards.run_sandboxed(reader(value, tag, clear=True), timeout=10)
+    _, out_w, _ = sandbox.run_sandboxed(writer(value, tag), timeout=10)
+    _, out_r, _ = sandbox.run_sandboxed(reader(value, tag, clear=True), timeout=10)
     assert {"keyring:user", "keyring:user-session"} <= report(out_w, "sent")[1], out_w
     assert {"keyring:user", "keyring:user-session"} <= report(out_r, "found")[1], out_r
 
 
 def test_the_start_up_probe_fails_closed_without_the_filter(monkeypatch):
-    monkeypatch.setattr(rewards, "REFUSED_SYSCALLS", ())
-    monkeypatch.setattr(rewards, "_sandbox_mode", None)
-    with pytest.raises(rewards.SandboxUnavailable, match="keyring reachable"):
-        rewards.sandbox_mode()
+    monkeypatch.setattr(sandbox, "REFUSED_SYSCALLS", ())
+    monkeypatch.setattr(sandbox, "_sandbox_mode", None)
+    with pytest.raises(sandbox.SandboxUnavailable, match="keyring reachable"):
+        sandbox.sandbox_mode()
 
 
 # A user namespace of its own, where the program is root: it mounts a tmpfs there and fills it (memory
@@ -320,27 +321,27 @@ def test_no_namespace_of_its_own(monkeypatch):
     """unshare and clone with CLONE_NEW* flags are refused, while threads (clone3 answers ENOSYS, the C
     library falls back to clone), fork and subprocesses work; without the filter's namespace rules the
     program mounts a tmpfs of its own and writes four times its disk bound into memory."""
-    out = rewards.run_sandboxed(OWN_NAMESPACE, timeout=10)[1]
+    out = sandbox.run_sandboxed(OWN_NAMESPACE, timeout=10)[1]
     assert out.split() == ["unshare", "-1", "1"], out  # EPERM
-    clone = rewards._syscall_number("clone")
+    clone = sandbox._syscall_number("clone")
     works = ("import ctypes, os, subprocess, sys, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
              f"print(libc.syscall({clone}, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno())\n"
              "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
              "print(subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True, text=True).stdout.strip())")
-    assert rewards.run_sandboxed(works, timeout=10)[1].split() == ["-1", "1", "thread", "5"]
-    monkeypatch.setattr(rewards, "REFUSED_SYSCALLS", ("add_key", "keyctl", "request_key"))
-    out = rewards.run_sandboxed(OWN_NAMESPACE, timeout=10)[1]
-    assert int(out.split("wrote")[1]) == 256 << 20 > 4 * rewards.CODE_MAX_DISK_BYTES - 1, out
+    assert sandbox.run_sandboxed(works, timeout=10)[1].split() == ["-1", "1", "thread", "5"]
+    monkeypatch.setattr(sandbox, "REFUSED_SYSCALLS", ("add_key", "keyctl", "request_key"))
+    out = sandbox.run_sandboxed(OWN_NAMESPACE, timeout=10)[1]
+    assert int(out.split("wrote")[1]) == 256 << 20 > 4 * sandbox.CODE_MAX_DISK_BYTES - 1, out
 
 
 @as_root
 def test_running_sandboxes_never_share_a_uid():
-    with rewards._sandbox_uid("bwrap") as a, rewards._sandbox_uid("bwrap") as b:
-        assert a != b and {a, b} <= set(rewards.SANDBOX_UIDS)
+    with sandbox._sandbox_uid("bwrap") as a, sandbox._sandbox_uid("bwrap") as b:
+        assert a != b and {a, b} <= set(sandbox.SANDBOX_UIDS)
     # a uid given back can be claimed again
-    with rewards._sandbox_uid("bwrap") as c:
+    with sandbox._sandbox_uid("bwrap") as c:
         name = f"\0balanced-grpo-sandbox-uid-{c}"
-        probe = rewards.socket.socket(rewards.socket.AF_UNIX, rewards.socket.SOCK_DGRAM)
+        probe = sandbox.socket.socket(sandbox.socket.AF_UNIX, sandbox.socket.SOCK_DGRAM)
         with pytest.raises(OSError):
             probe.bind(name)  # held while the sandbox runs
     probe.bind(name)
@@ -440,14 +441,14 @@ def test_a_copier_gets_nothing_from_the_sibling_that_solved_it():
 @as_root
 def test_the_copier_wins_without_the_filter(probed, monkeypatch):
     """The control, in this process: one uid, no filter; the copier then scores with its sibling."""
-    monkeypatch.setattr(rewards, "REFUSED_SYSCALLS", ())
-    one = rewards.SANDBOX_UIDS.start + secrets.randbelow(len(rewards.SANDBOX_UIDS))
-    monkeypatch.setattr(rewards, "SANDBOX_UIDS", range(one, one + 1))
+    monkeypatch.setattr(sandbox, "REFUSED_SYSCALLS", ())
+    one = sandbox.SANDBOX_UIDS.start + secrets.randbelow(len(sandbox.SANDBOX_UIDS))
+    monkeypatch.setattr(sandbox, "SANDBOX_UIDS", range(one, one + 1))
     responses, tests = copy_pairs(humaneval(COPIED), lcb_stdio(3), secrets.token_hex(4))
     try:
         scores = [rewards.score_code(r, t) for r, t in zip(responses, tests)]
     finally:
-        rewards.run_sandboxed(reader("", "0" * 8, clear=True))
+        sandbox.run_sandboxed(reader("", "0" * 8, clear=True))
     assert scores == [1.0] * len(responses)
 
 
@@ -491,13 +492,13 @@ def test_an_oracle_learns_nothing_across_responses():
 
 @as_root
 def test_the_oracle_learns_without_the_filter(probed, monkeypatch):
-    monkeypatch.setattr(rewards, "REFUSED_SYSCALLS", ())
-    one = rewards.SANDBOX_UIDS.start + secrets.randbelow(len(rewards.SANDBOX_UIDS))
-    monkeypatch.setattr(rewards, "SANDBOX_UIDS", range(one, one + 1))
+    monkeypatch.setattr(sandbox, "REFUSED_SYSCALLS", ())
+    one = sandbox.SANDBOX_UIDS.start + secrets.randbelow(len(sandbox.SANDBOX_UIDS))
+    monkeypatch.setattr(sandbox, "SANDBOX_UIDS", range(one, one + 1))
     try:
         per_round = oracle_rounds(rewards.score_code)
     finally:
-        rewards.run_sandboxed(reader("", "0" * 8, clear=True))
+        sandbox.run_sandboxed(reader("", "0" * 8, clear=True))
     assert per_round[0] == 0 and max(per_round) > 0, per_round  # it learned to pass some
 
 
@@ -515,14 +516,14 @@ THREADED = ("```python\nimport time\nfrom concurrent.futures import ThreadPoolEx
 
 def test_a_neighbour_holding_its_processes_takes_none_from_the_others():
     hog = {}
-    thread = threading.Thread(target=lambda: hog.update(out=rewards.run_sandboxed(HOG, timeout=10)[1]))
+    thread = threading.Thread(target=lambda: hog.update(out=sandbox.run_sandboxed(HOG, timeout=10)[1]))
     thread.start()
     time.sleep(0.5)
     tests = {"stdio": [{"input": "100\n", "output": str(sum(i * i for i in range(100)))}]}
     scores = compute_rewards([THREADED] * 8, [tests] * 8, ["code"] * 8, num_workers=8)
     thread.join()
     held = hog["out"].split()
-    assert held[0] == "held" and int(held[1]) >= rewards.CODE_MAX_PROCS - 4  # it reached its own limit
+    assert held[0] == "held" and int(held[1]) >= sandbox.CODE_MAX_PROCS - 4  # it reached its own limit
     assert scores == [1.0] * 8
 
 
@@ -535,9 +536,9 @@ DISK = ("total, dirs, i = 0, ['.', '/tmp'], 0\nwhile dirs and i < 64:\n    d = d
 
 def test_disk_use_is_bounded_per_sandbox():
     t0 = time.time()
-    rc, out, _ = rewards.run_sandboxed(DISK, timeout=10)
+    rc, out, _ = sandbox.run_sandboxed(DISK, timeout=10)
     written = int(out.split()[0])
-    assert rewards.CODE_MAX_DISK_BYTES - (16 << 20) <= written <= rewards.CODE_MAX_DISK_BYTES
+    assert sandbox.CODE_MAX_DISK_BYTES - (16 << 20) <= written <= sandbox.CODE_MAX_DISK_BYTES
     assert time.time() - t0 < 5
 
 
@@ -621,7 +622,7 @@ def test_a_lock_copier_scores_nothing_beside_the_sibling_that_solved_it(clean_ma
 
 def test_locks_carry_the_answer_without_the_filter(probed, monkeypatch):
     """The control: without the rules on shared state, the copier reads the writer's locks and scores."""
-    monkeypatch.setattr(rewards, "SHARED_STATE_RULES", ())
+    monkeypatch.setattr(sandbox, "SHARED_STATE_RULES", ())
     responses, tests = lock_pair()
     scores = {}
     writer_thread = threading.Thread(target=lambda: scores.update(w=rewards.score_code(responses[0], tests[0])))
@@ -643,15 +644,15 @@ def lock_in_high_bits() -> None:
 
 
 def test_lock_commands_cannot_hide_in_high_bits():
-    assert rewards._syscall_number("fcntl") == 72 or pytest.skip("x86-64's numbers")
-    assert rewards.run_sandboxed(ship(lock_in_high_bits), timeout=10)[1].split() == ["-1", str(errno.EINVAL)]
+    assert sandbox._syscall_number("fcntl") == 72 or pytest.skip("x86-64's numbers")
+    assert sandbox.run_sandboxed(ship(lock_in_high_bits), timeout=10)[1].split() == ["-1", str(errno.EINVAL)]
 
 
 def test_the_start_up_probe_fails_closed_where_locks_are_shared(monkeypatch):
-    monkeypatch.setattr(rewards, "SHARED_STATE_RULES", ())
-    monkeypatch.setattr(rewards, "_sandbox_mode", None)
-    with pytest.raises(rewards.SandboxUnavailable, match="locks shared"):
-        rewards.sandbox_mode()
+    monkeypatch.setattr(sandbox, "SHARED_STATE_RULES", ())
+    monkeypatch.setattr(sandbox, "_sandbox_mode", None)
+    with pytest.raises(sandbox.SandboxUnavailable, match="locks shared"):
+        sandbox.sandbox_mode()
 
 
 def open_watcher(wait: float) -> None:
@@ -670,10 +671,10 @@ def open_watcher(wait: float) -> None:
 def test_no_sandbox_sees_another_open_a_shared_file():
     """inotify (and dnotify, fanotify) watch inodes: one sandbox would see another open the file it names."""
     out = {}
-    watcher = threading.Thread(target=lambda: out.update(w=rewards.run_sandboxed(ship(open_watcher, 2.0))[1]))
+    watcher = threading.Thread(target=lambda: out.update(w=sandbox.run_sandboxed(ship(open_watcher, 2.0))[1]))
     watcher.start()
     time.sleep(0.5)
-    rewards.run_sandboxed("import os\nopen(os.path.join(os.path.dirname(os.__file__), 'LICENSE.txt')).read(1)")
+    sandbox.run_sandboxed("import os\nopen(os.path.join(os.path.dirname(os.__file__), 'LICENSE.txt')).read(1)")
     watcher.join()
     assert out["w"].split()[0] == "refused", out
 
@@ -741,7 +742,7 @@ def cache_reader(n: int, name: str) -> None:
 
 def cache_pair(bits: str) -> tuple[list[str], dict]:
     """(writer, reader) on a large shared file chosen at random (so that runs beside it collide rarely)."""
-    lib = (rewards._sandbox_root() or "") + os.path.realpath(os.path.dirname(os.__file__))  # what sandboxes see
+    lib = (sandbox._sandbox_root() or "") + os.path.realpath(os.path.dirname(os.__file__))  # what sandboxes see
     big = sorted(os.path.relpath(os.path.join(d, f), lib) for d, _, files in os.walk(lib) for f in files
                  if f.endswith(".py") and os.path.getsize(os.path.join(d, f)) > 4096 * (len(bits) + 1))
     name = secrets.choice(big)
@@ -755,15 +756,15 @@ def test_a_page_cache_copier_in_a_later_batch_scores_nothing(clean_machine):
     assert compute_rewards([writer_], [tests], ["code"], num_workers=1) == [1.0]
     assert compute_rewards([reader_], [tests], ["code"], num_workers=1) == [0.0]  # the batch after
     program = reader_.removeprefix("```python\n").removesuffix("```")
-    assert rewards.run_sandboxed(program, timeout=10)[1] == "\n"  # every probe refused: not even a guess
+    assert sandbox.run_sandboxed(program, timeout=10)[1] == "\n"  # every probe refused: not even a guess
 
 
 def test_the_page_cache_carries_the_answer_without_the_filter(probed, monkeypatch):
-    monkeypatch.setattr(rewards, "SHARED_STATE_RULES", ())
-    if rewards._sandbox_root():  # the sandbox root alone closes it too: every page of it is always cached
+    monkeypatch.setattr(sandbox, "SHARED_STATE_RULES", ())
+    if sandbox._sandbox_root():  # the sandbox root alone closes it too: every page of it is always cached
         (writer_, reader_), tests = cache_pair(secret_bits())
         assert [rewards.score_code(writer_, tests), rewards.score_code(reader_, tests)] == [1.0, 0.0]
-    monkeypatch.setattr(rewards, "_root", False)  # the host's directories, as an unprivileged scorer has them
+    monkeypatch.setattr(sandbox, "_root", False)  # the host's directories, as an unprivileged scorer has them
     (writer_, reader_), tests = cache_pair(secret_bits())
     assert [rewards.score_code(writer_, tests), rewards.score_code(reader_, tests)] == [1.0, 1.0]
 
@@ -792,7 +793,7 @@ def evictions() -> None:
 
 
 def test_no_sandbox_evicts_shared_pages():
-    assert rewards.run_sandboxed(ship(evictions), timeout=10)[1].split() == ["EPERM", "EINVAL", "EINVAL", "EPERM"]
+    assert sandbox.run_sandboxed(ship(evictions), timeout=10)[1].split() == ["EPERM", "EINVAL", "EINVAL", "EPERM"]
 
 
 def kernel_hog(seconds: float, hold: float) -> None:
@@ -836,7 +837,7 @@ def test_kernel_memory_is_bounded_per_sandbox(clean_machine):
     from reward_cases import code_cases
 
     before, hog = unreclaimable(), {}
-    thread = threading.Thread(target=lambda: hog.update(out=rewards.run_sandboxed(ship(kernel_hog, 2.5, 2.0))[1]))
+    thread = threading.Thread(target=lambda: hog.update(out=sandbox.run_sandboxed(ship(kernel_hog, 2.5, 2.0))[1]))
     thread.start()
     responses, tests = code_cases("humaneval")
     scores = compute_rewards(responses[:6], tests[:6], ["code"] * 6, num_workers=1)
@@ -846,7 +847,7 @@ def test_kernel_memory_is_bounded_per_sandbox(clean_machine):
         time.sleep(0.05)
     files, pinned = map(int, hog["out"].split())
     assert scores == [1.0] * 6
-    assert pinned == 0 and 1000 < files <= rewards.CODE_MAX_FILES, (files, pinned)
+    assert pinned == 0 and 1000 < files <= sandbox.CODE_MAX_FILES, (files, pinned)
     assert peak - before < 256 << 20, (before >> 20, peak >> 20)
 
 
@@ -854,7 +855,7 @@ def test_the_hosts_proc_sys_is_not_there():
     """/proc/sys/fs/inode-nr and file-nr move with other sandboxes' files and open files: not shown."""
     program = "import os\nprint(os.listdir('/proc/sys'), os.path.exists('/proc/sys/fs/inode-nr'))"
     assert os.path.exists("/proc/sys/fs/inode-nr")
-    assert rewards.run_sandboxed(program, timeout=10)[1].split() == ["[]", "False"]
+    assert sandbox.run_sandboxed(program, timeout=10)[1].split() == ["[]", "False"]
 
 
 # -- what one sandbox holds, all its processes together --------------------------------------------------
@@ -899,32 +900,32 @@ def test_a_greedy_response_holds_its_budget_at_most_and_scores_nothing(clean_mac
     scores, held = least_available_while(lambda: compute_rewards(
         [GREEDY, RIGHT, WRONG, RIGHT], [ADD] * 4, ["code"] * 4, num_workers=4, code_timeout=4))
     assert scores == [0.0, 1.0, 0.0, 1.0]
-    assert held < rewards.CODE_MEMORY_BYTES + (512 << 20), held >> 20
+    assert held < sandbox.CODE_MEMORY_BYTES + (512 << 20), held >> 20
 
 
 def test_the_watchdog_bounds_it_where_no_cgroup_can(probed, monkeypatch):
     """The fallback without cgroups: the watchdog kills the sandbox once its processes together pass the
     budget (by polling, so with some slack)."""
-    monkeypatch.setattr(rewards, "_bound", ("watchdog", []))
+    monkeypatch.setattr(sandbox, "_bound", ("watchdog", []))
     program = GREEDY.removeprefix("```python\n").removesuffix("```") + "print(add(2, 3))\n"
-    (rc, out, _), held = least_available_while(lambda: rewards.run_sandboxed(program, timeout=10))
+    (rc, out, _), held = least_available_while(lambda: sandbox.run_sandboxed(program, timeout=10))
     assert (rc, out) == (-9, "")
-    assert held < rewards.CODE_MEMORY_BYTES + (512 << 20), held >> 20
-    assert rewards.run_sandboxed("print(2 + 3)", timeout=10)[:2] == (0, "5\n")  # within it, as before
+    assert held < sandbox.CODE_MEMORY_BYTES + (512 << 20), held >> 20
+    assert sandbox.run_sandboxed("print(2 + 3)", timeout=10)[:2] == (0, "5\n")  # within it, as before
 
 
 def test_a_sandbox_dies_first_when_the_host_runs_short():
     program = ("import os\nr, w = os.pipe()\nif os.fork() == 0:\n"
                "    os.write(w, open('/proc/self/oom_score_adj').read().encode())\n    os._exit(0)\n"
                "print(open('/proc/self/oom_score_adj').read().strip(), os.read(r, 16).decode().strip())")
-    assert rewards.run_sandboxed(program, timeout=10)[1].split() == ["1000", "1000"]
+    assert sandbox.run_sandboxed(program, timeout=10)[1].split() == ["1000", "1000"]
 
 
 def test_the_start_up_line_names_the_bound():
-    line = subprocess.run([sys.executable, "-c", "import rewards; rewards.sandbox_mode()"], cwd=ROOT,
+    line = subprocess.run([sys.executable, "-c", "import rewards; sandbox.sandbox_mode()"], cwd=ROOT,
                           capture_output=True, text=True).stderr
-    kind, _ = rewards._memory_bound()
-    assert line.count("\n") == 1 and f"at most {rewards.CODE_MEMORY_BYTES >> 30} GiB" in line, line
+    kind, _ = sandbox._memory_bound()
+    assert line.count("\n") == 1 and f"at most {sandbox.CODE_MEMORY_BYTES >> 30} GiB" in line, line
     assert (f"cgroup v{kind[-1]}" if kind.startswith("cgroup") else "a watchdog") in line, line
     assert ("a copy of the interpreter" in line) == (os.geteuid() == 0), line
 
@@ -947,13 +948,13 @@ def timing_channel(rounds: int) -> float:
     for _ in range(rounds):
         bits = [1] * 32 + [0] * 32
         secrets.SystemRandom().shuffle(bits)
-        for where in (stdlib, (rewards._sandbox_root() or "") + stdlib):
+        for where in (stdlib, (sandbox._sandbox_root() or "") + stdlib):
             for path in glob.glob(os.path.join(where, "encodings", "*.py")):
                 fd = os.open(path, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # nothing, on the sandbox root's ramfs
                 os.close(fd)
-        rewards.run_sandboxed(CACHE_TIME_WRITER.format(bits=bits), timeout=10)
-        times = json.loads(rewards.run_sandboxed(CACHE_TIME_READER, timeout=10)[1])
+        sandbox.run_sandboxed(CACHE_TIME_WRITER.format(bits=bits), timeout=10)
+        times = json.loads(sandbox.run_sandboxed(CACHE_TIME_READER, timeout=10)[1])
         q = sorted(times)
         cut = (q[6] * q[57]) ** 0.5
         right += sum((t < cut) == bit for t, bit in zip(times, bits))
@@ -967,5 +968,5 @@ def test_read_times_tell_a_later_sandbox_nothing():
 
 @as_root
 def test_read_times_carry_bits_through_the_hosts_files(probed, monkeypatch):
-    monkeypatch.setattr(rewards, "_root", False)  # the host's directories bound, as unprivileged
+    monkeypatch.setattr(sandbox, "_root", False)  # the host's directories bound, as unprivileged
     assert timing_channel(rounds=2) > 0.9

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import train_grpo as T  # noqa: E402
-from bench_step import SHAPES, synthetic_rollouts  # noqa: E402
 from grpo_run import check_args, checkpoint_problem  # noqa: E402
+from scripts.bench_step import SHAPES, synthetic_rollouts  # noqa: E402
 
 # a redo within this share of the update's own change is kernel noise; a broken resume moves the update by far
 # more (measured on the CPU: see tests/test_gpu_check.py and docs/gpu.md)

@@ -1,9 +1,9 @@
 """Every table the README and docs/ publish, regenerated from its runs by one command.
 
-    python reproduce.py                   # every experiment (~4 h on a 2-core CPU), then docs/results.md
-    python reproduce.py lab-check         # one experiment's section of docs/results.md
-    python reproduce.py --list            # the experiments and their commands
-    python reproduce.py --tables-only     # rewrite the sections from the runs already there
+    python -m scripts.reproduce                   # every experiment (~4 h on a 2-core CPU), then docs/results.md
+    python -m scripts.reproduce lab-check         # one experiment's section of docs/results.md
+    python -m scripts.reproduce --list            # the experiments and their commands
+    python -m scripts.reproduce --tables-only     # rewrite the sections from the runs already there
 
 Each experiment trains its runs with ablation.py (a finished run is skipped, an interrupted one
 resumes) and prints its tables with compare_rules.py, length_drift.py or evaluate.py's table, into
@@ -23,50 +23,51 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the project's root
 RESULTS = ROOT / "docs" / "results.md"
 PY = sys.executable
 SEEDS5 = ["1", "2", "3", "4", "5"]
+COMPARE_RULES, LENGTH_DRIFT = "scripts.compare_rules", "scripts.length_drift"  # the tables' modules
 COMPARE = ["seq", "token", "token-batch", "balanced", "balanced-batch", "dr-grpo"]  # compare_rules.RULES
 
-# name: (what it is, [ablation.py arguments, ...], [table command, ...]). A table command is run
-# from the project root; its standard output is the section's table.
+# name: (what it is, [ablation.py arguments, ...], [table command, ...]). A table command is a
+# module of this folder run from the project root; its standard output is the section's table.
 EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
     "lab-check": (
         "A task where the coupling can cost accuracy: the prediction, then 6 rules x 5 paired seeds",
         [["--model", "lab-check", "--aggs", *COMPARE, "--seeds", *SEEDS5, "--no-eval",
           *"--out runs/compare-lab-check -- --steps 30 --save-interval 10".split()]],
-        [["compare_rules.py", "--predict", "lab-check"], ["compare_rules.py", "runs/compare-lab-check"]],
+        [[COMPARE_RULES, "--predict", "lab-check"], [COMPARE_RULES, "runs/compare-lab-check"]],
     ),
     "lab-check-nogap": (
         "Its control, failures as long as successes: the prediction, then 6 rules x 5 paired seeds",
         [["--model", "lab-check-nogap", "--aggs", *COMPARE, "--seeds", *SEEDS5, "--no-eval",
           "--out", "runs/compare-lab-check-nogap", "--", "--steps", "30", "--save-interval", "10"]],
-        [["compare_rules.py", "--predict", "lab-check-nogap"], ["compare_rules.py", "runs/compare-lab-check-nogap"]],
+        [[COMPARE_RULES, "--predict", "lab-check-nogap"], [COMPARE_RULES, "runs/compare-lab-check-nogap"]],
     ),
     "lab": (
         "The aggregation lab: every rule x 3 seeds, 40 steps, Acc@8 of every checkpoint (Table 1's layout)",
         [["--model", "lab", "--aggs", "all"]],
-        [["length_drift.py", "--summary", "runs/ablation-lab", "--per-seed"], ["evaluate_table", "runs/ablation-lab"]],
+        [[LENGTH_DRIFT, "--summary", "runs/ablation-lab", "--per-seed"], ["evaluate_table", "runs/ablation-lab"]],
     ),
     "length-study": (
         "Is balanced aggregation length-neutral? The two controls, every rule x 3 seeds",
         [["--model", "lab-nogap", "--aggs", "all"], ["--model", "lab-nogap-hi", "--aggs", "all"]],
-        [["length_drift.py", "--model", m, "--predict"] for m in ("lab", "lab-nogap", "lab-nogap-hi")]
-        + [["length_drift.py", f"runs/ablation-{m}"] for m in ("lab-nogap", "lab-nogap-hi")]
-        + [["length_drift.py", "--summary", *(f"runs/ablation-{m}" for m in ("lab", "lab-nogap", "lab-nogap-hi")),
+        [[LENGTH_DRIFT, "--model", m, "--predict"] for m in ("lab", "lab-nogap", "lab-nogap-hi")]
+        + [[LENGTH_DRIFT, f"runs/ablation-{m}"] for m in ("lab-nogap", "lab-nogap-hi")]
+        + [[LENGTH_DRIFT, "--summary", *(f"runs/ablation-{m}" for m in ("lab", "lab-nogap", "lab-nogap-hi")),
             "--figure", "docs/workbench.png", "--per-seed"]],
     ),
     "cispo": (
         "CISPO aggregated as MiniMax-M1 does (token-batch) and as token-agg, against ppo, 4 updates a rollout",
         ["--aggs token token-batch --losses ppo cispo --seeds 1 2 --out runs/cispo-lab -- --minibatches 4".split()],
-        [["length_drift.py", "--summary", "runs/cispo-lab", "--per-seed"]],
+        [[LENGTH_DRIFT, "--summary", "runs/cispo-lab", "--per-seed"]],
     ),
     "losses": (
         "The policy losses under seq, token, balanced and token-batch, 4 updates per rollout, 2 seeds",
         ["--aggs seq token balanced token-batch --losses ppo gspo cispo sapo --seeds 1 2 --out runs/losses-lab "
          "-- --minibatches 4".split()],
-        [["length_drift.py", "--summary", "runs/losses-lab", "--figure", "docs/workbench_losses.png", "--per-seed"]],
+        [[LENGTH_DRIFT, "--summary", "runs/losses-lab", "--figure", "docs/workbench_losses.png", "--per-seed"]],
     ),
 }
 
@@ -89,7 +90,7 @@ def run_commits(table_cmds: list[list[str]]) -> list[str]:
 def table_output(cmd: list[str]) -> str:
     if cmd[0] == "evaluate_table":  # evaluate.py's Table 1 layout, written by ablation.py's evaluation
         return (ROOT / cmd[1] / "eval_table.md").read_text().strip()
-    res = subprocess.run([PY, *cmd], cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run([PY, "-m", *cmd], cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
     return "\n".join(x for x in res.stdout.splitlines() if not x.startswith(("Loading weights", "figure:"))).strip()
@@ -101,10 +102,10 @@ def section(name: str) -> str:
     out = [f"<!-- section {name} -->", f"## {name}: {what}", "",
            f"Runs trained at commit{'s' if len(commits) > 1 else ''} "
            f"{', '.join(c[:10] + ('+dirty' if c.endswith('+dirty') else '') for c in commits) or '-'}; "
-           f"regenerate with `python reproduce.py {name}`.", "", "```bash",
-           *(f"python ablation.py {' '.join(a)}" for a in ablations), "```", ""]
+           f"regenerate with `python -m scripts.reproduce {name}`.", "", "```bash",
+           *(f"python -m scripts.ablation {' '.join(a)}" for a in ablations), "```", ""]
     for cmd in tables:
-        label = f"python {' '.join(cmd)}" if cmd[0] != "evaluate_table" else f"{cmd[1]}/eval_table.md (evaluate.py)"
+        label = f"python -m {' '.join(cmd)}" if cmd[0] != "evaluate_table" else f"{cmd[1]}/eval_table.md (evaluate.py)"
         out += [f"`{label}`", "", table_output(cmd), ""]
     return "\n".join(out) + f"<!-- end {name} -->\n"
 
@@ -112,7 +113,7 @@ def section(name: str) -> str:
 def write_sections(names: list[str]) -> None:
     """Replace these sections of docs/results.md (the others are kept as they were)."""
     head = ("# Results\n\nEvery table the README and docs/ publish, with per-seed values, generated by "
-            "`python reproduce.py` (do not edit by hand; the docs quote these sections).\n\n")
+            "`python -m scripts.reproduce` (do not edit by hand; the docs quote these sections).\n\n")
     new_sections = {name: section(name) for name in names}  # minutes; the file is read after them
     text = RESULTS.read_text() if RESULTS.exists() else head
     for name, new in new_sections.items():
@@ -138,17 +139,17 @@ def main() -> None:
             what, ablations, tables = EXPERIMENTS[name]
             print(f"{name}: {what}")
             for a in ablations:
-                print(f"  python ablation.py {' '.join(a)}")
+                print(f"  python -m scripts.ablation {' '.join(a)}")
             for t in tables:
-                print(f"  python {' '.join(t)}" if t[0] != "evaluate_table" else
+                print(f"  python -m {' '.join(t)}" if t[0] != "evaluate_table" else
                       f"  {t[1]}/eval_table.md (evaluate.py)")
         return
     t0 = time.time()
     if not args.tables_only:
         for name in names:
             for a in EXPERIMENTS[name][1]:
-                print(f"[reproduce] {name}: python ablation.py {' '.join(a)}", flush=True)
-                if subprocess.run([PY, "ablation.py", *a], cwd=ROOT, env=os.environ).returncode != 0:
+                print(f"[reproduce] {name}: python -m scripts.ablation {' '.join(a)}", flush=True)
+                if subprocess.run([PY, "-m", "scripts.ablation", *a], cwd=ROOT, env=os.environ).returncode != 0:
                     sys.exit(f"reproduce.py: error: {name}'s runs failed (above); rerun the same command to resume")
     try:
         write_sections(names)

@@ -1,8 +1,8 @@
 """Does the aggregation rule change what is learned? A prediction from the formulas, then paired seeds
 and a test declared before the runs (docs/lab.md, "Can the coupling cost accuracy?").
 
-    python compare_rules.py --predict lab-check          # before any run: each rule's first-step gain
-    python compare_rules.py runs/compare-lab-check       # after: the paired comparison, per seed
+    python -m scripts.compare_rules --predict lab-check          # before any run: each rule's first-step gain
+    python -m scripts.compare_rules runs/compare-lab-check       # after: the paired comparison, per seed
 
 The prediction. On the initial policy, sample steps of 32 prompts x G=8 (the lab's), weigh them by
 each rule (train_grpo.aggregation_weights; on-policy every policy loss's token term has the gradient
@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent  # the project's root
 
 # The comparison's rules: the paper's three, the peer trainers' two token means and Dr. GRPO (its
 # normaliser with unscaled advantages, ablation.RULE_ARGS). seq-sum is the normaliser times L_max, a

@@ -1,10 +1,10 @@
 """Is an aggregation rule length-neutral? Each rule's expected push on the stopping decision, next to
 the length drift it produced in training (docs/lab.md, "Is balanced aggregation length-neutral?").
 
-    python length_drift.py runs/ablation-lab-nogap-hi        # an ablation.py output directory
-    python length_drift.py --model lab-nogap-hi --simulate   # before training: the initial policy alone
-    python length_drift.py --model lab --predict             # every rule's coupling and push, before training
-    python length_drift.py --summary runs/ablation-lab runs/ablation-lab-nogap runs/ablation-lab-nogap-hi \
+    python -m scripts.length_drift runs/ablation-lab-nogap-hi        # an ablation.py output directory
+    python -m scripts.length_drift --model lab-nogap-hi --simulate   # before training: the initial policy alone
+    python -m scripts.length_drift --model lab --predict             # every rule's coupling and push, before training
+    python -m scripts.length_drift --summary runs/ablation-lab runs/ablation-lab-nogap runs/ablation-lab-nogap-hi \
         --figure docs/workbench.png                          # docs/workbench.md's side-by-side table and figure
 
 The model. A policy that stops at position t with probability h_t (one logit per position) gets,
@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-from train_grpo import AGGS as RULES  # noqa: E402
+from train_grpo import AGGS as RULES
+
+ROOT = Path(__file__).resolve().parent.parent  # the project's root
 
 MAX_LEN = 48  # dr-grpo's L_max: the lab's --max-response-len
 
@@ -281,7 +281,7 @@ def plot_summary(curves: dict, tasks: list[str], path: Path) -> None:
 
 
 def main() -> None:
-    from ablation import LAB_EVAL
+    from scripts.ablation import LAB_EVAL
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ablation", nargs="?", help="an ablation.py output directory (runs MODEL-AGG-sSEED inside)")

@@ -1,12 +1,12 @@
 """The paper's ablation in one command: every aggregation rule x several seeds, then Table 1 and
 Figures 1-3 (mean ± std over seeds).
 
-    python ablation.py                        # the aggregation lab on the CPU: 3 rules x 3 seeds
-    python ablation.py --model lab-nogap      # the control: the same lengths, no sign-length gap
-    python ablation.py --model lab-nogap-hi   # the same control, above 50% accuracy
-    python ablation.py --aggs all             # every rule of train_grpo.py (docs/workbench.md's side-by-side table)
-    python ablation.py --losses ppo gspo cispo sapo --out runs/losses-lab -- --minibatches 4   # policy losses
-    python ablation.py --model Qwen/Qwen2.5-Math-7B --seeds 1 --out runs/ablation-7b \\
+    python -m scripts.ablation                        # the aggregation lab on the CPU: 3 rules x 3 seeds
+    python -m scripts.ablation --model lab-nogap      # the control: the same lengths, no sign-length gap
+    python -m scripts.ablation --model lab-nogap-hi   # the same control, above 50% accuracy
+    python -m scripts.ablation --aggs all             # every rule of train_grpo.py (docs/workbench.md's table)
+    python -m scripts.ablation --losses ppo gspo cispo sapo --out runs/losses-lab -- --minibatches 4   # policy losses
+    python -m scripts.ablation --model Qwen/Qwen2.5-Math-7B --seeds 1 --out runs/ablation-7b \\
         --eval-args "--benchmarks aime24,amc23,math500 --template dapo --n 8" \\
         -- --dataset BytedTsinghua-SIA/DAPO-Math-17k --template dapo    # paper scale (args after -- go to the trainer)
 
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the project's root
 # the offline policies: evaluate on the held-out sums, sampled as in training
 LAB_EVAL = "--benchmarks demo-test --template plain --n 8 --temperature 1.0 --top-p 1.0 --max-tokens 48"
 # A rule's own trainer flags. Dr. GRPO (arXiv 2503.20783) is two changes: the constant normaliser

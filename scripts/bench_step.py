@@ -1,9 +1,9 @@
 """Step benchmark: every phase of a GRPO step next to what the raw engine does alone.
 
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 bench_step.py      # CPU: the tiny demo model
-    deepspeed --num_gpus 1 bench_step.py --model Qwen/Qwen2.5-0.5B-Instruct --template boxed \
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module scripts.bench_step   # CPU: the tiny demo model
+    deepspeed --num_gpus 1 --module scripts.bench_step --model Qwen/Qwen2.5-0.5B-Instruct --template boxed \
         --dataset math500 --max-response-len 1024                 # a GPU machine
-    python -m deepspeed.launcher.runner --num_gpus 8 bench_step.py --update-only --shape qwen2.5-7b
+    python -m deepspeed.launcher.runner --num_gpus 8 --module scripts.bench_step --update-only --shape qwen2.5-7b
                                                                   # the update alone, no vLLM, no hub
 
 On the same work, in one run:
@@ -53,7 +53,7 @@ import torch
 import train_grpo as T
 from grpo_run import check_finite, is_hub_id, memory_model, model_dir_problem, token_budget
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the project's root
 _KEEP: list = []
 TARGETS = {"rollout": 1.05, "update": 1.15, "sync_share": 0.05, "memory": 0.25, "gather_chunk64": 4.0}
 # Real models' shapes (the architecture fields of their config.json) for --update-only, with random weights.
@@ -238,8 +238,8 @@ def logprob_memory(chunk: int) -> dict:
     out = {}
     for path in ("chunked", "naive"):  # a clean process each: peak RSS is per process
         env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
-        res = subprocess.run([sys.executable, __file__, "--memory-probe", path, "--logprob-chunk", str(chunk)],
-                             capture_output=True, text=True, env=env)
+        res = subprocess.run([sys.executable, "-m", "scripts.bench_step", "--memory-probe", path,
+                              "--logprob-chunk", str(chunk)], cwd=ROOT, capture_output=True, text=True, env=env)
         out[path] = json.loads(res.stdout.strip().splitlines()[-1])
     diff = max(abs(a - b) for a, b in zip(out["chunked"]["logp"] + out["chunked"]["grad"],
                                           out["naive"]["logp"] + out["naive"]["grad"]))
@@ -299,13 +299,13 @@ def peer_row(args, our_step_s: float) -> dict | None:
     if importlib.util.find_spec("trl") is None:
         return None
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    cmd = [sys.executable, __file__, "--peer-probe", "--model", args.model, "--dataset", args.dataset,
+    cmd = [sys.executable, "-m", "scripts.bench_step", "--peer-probe", "--model", args.model, "--dataset", args.dataset,
            "--template", args.template, "--prompts-per-rank", str(args.prompts_per_rank), "--group-size",
            str(args.group_size), "--micro-batch-size", str(args.micro_batch_size), "--max-response-len",
            str(args.max_response_len), "--world", str(args.world), "--peer-steps", str(args.peer_steps)]
     # one process on every core (this rank is pinned to its share)
     every_core = lambda: os.sched_setaffinity(0, range(os.cpu_count() or 1))  # noqa: E731
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env,
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
                          preexec_fn=every_core if hasattr(os, "sched_setaffinity") else None)
     if res.returncode != 0:
         return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"rc {res.returncode}"}
