@@ -330,6 +330,32 @@ def logged_lines(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def run_metrics(run: Path) -> dict[int, dict]:
+    """A run's metrics.jsonl by step, a step's lines merged in order (a step redone after a resume: the later
+    line wins; a line cut short by a kill is dropped): what every tool reads of a run's log."""
+    out: dict[int, dict] = {}
+    for step, line in logged_lines(Path(run) / "metrics.jsonl"):
+        out.setdefault(step, {}).update(json.loads(line))
+    return out
+
+
+def recorded_args(run: Path, defaults: argparse.Namespace, required: tuple[str, ...] = ()) -> argparse.Namespace:
+    """The trainer's arguments of a run, as its args.json recorded them, over `defaults` (the trainer's
+    parse_args([])) for flags added since: what the tools pass to the trainer's functions. `required`: keys
+    the file itself must hold."""
+    path = Path(run) / "args.json"
+    try:
+        recorded = json.loads(path.read_text())
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {first_line(e)} (the trainer's args.json of a run is expected)") from None
+    for key in required:
+        if key not in recorded:
+            raise ValueError(f"{path}: no {key!r} of train_grpo.py's arguments (not the trainer's args.json)")
+    return argparse.Namespace(**{**vars(defaults), **recorded})
+
+
 def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> list[Path]:
     """Checkpoints to resume from, newest first. The launch takes the directory's lock (rank 0: one lock
     per run, however many ranks and nodes share the directory), and refuses to mix two runs in one

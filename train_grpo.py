@@ -389,6 +389,12 @@ def group_advantages(
     return adv.view(-1)
 
 
+def advantages(rewards: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """The run's advantages, as its flags ask: what the step and every analysis tool (with a run's recorded
+    arguments) call, so that a change here reaches them all."""
+    return group_advantages(rewards, args.group_size, scale_by_std=not args.no_std_norm)
+
+
 # -----------------------------------------------------------------------------
 # 4. Aggregation weights: the paper's rules and the peer trainers', one weight per response
 
@@ -1347,8 +1353,7 @@ def main(argv: list[str] | None = None) -> None:
             memory_to_update(llm, engine, args, rank)
 
         # 3. advantages within each group
-        adv = group_advantages(torch.tensor([r["reward"] for r in rollouts], dtype=torch.float64), args.group_size,
-                               not args.no_std_norm)
+        adv = advantages(torch.tensor([r["reward"] for r in rollouts], dtype=torch.float64), args)
         for r, a in zip(rollouts, adv.tolist()):
             r["advantage"] = a
 

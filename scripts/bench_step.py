@@ -135,7 +135,11 @@ def parse_args() -> argparse.Namespace:
         check_args(args)
     except ValueError as e:
         p.error(str(e))
-    # the trainer's flags that its functions read
+    # the trainer's flags that its functions read: its defaults (a flag a fork adds too), then the benchmark's
+    for key, value in vars(T.parse_args([])).items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    args.agg, args.no_std_norm = "balanced", False  # the step measured: the paper's rule
     args.temperature, args.top_p = 1.0, 1.0
     args.policy_loss, args.clip_eps_low, args.clip_eps_high, args.kl_coef = "ppo", 0.2, 0.28, 0.0
     args.sapo_tau_pos, args.sapo_tau_neg = None, None
@@ -493,7 +497,7 @@ def update_benchmark(args) -> None:
     lens = [len(r["tokens"]) for r in rollouts]
     args.pad_id = 0
     adv = torch.tensor([r["advantage"] for r in rollouts], dtype=torch.float64)
-    w = T.aggregation_weights(adv, torch.tensor([r["length"] for r in rollouts]), 8, "balanced")
+    w = T.aggregation_weights(adv, torch.tensor([r["length"] for r in rollouts]), 8, args.agg)  # synthetic groups of 8
     model_flops, peak = T.model_flops_fn(engine, args.peak_tflops)
     peak = peak or (args.peak_tflops * 1e12 if args.peak_tflops else None)
     flops = model_flops(lens)
@@ -651,12 +655,12 @@ def main() -> None:
     scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
                              [r["row"]["kind"] for r in rollouts], args.reward_workers)
     t_reward = time.perf_counter() - t0
-    adv = T.group_advantages(torch.tensor(scores, dtype=torch.float64), args.group_size)
+    adv = T.advantages(torch.tensor(scores, dtype=torch.float64), args)
     adv = adv + 1e-3 * torch.randn(adv.shape, dtype=torch.float64)  # a gradient even if all groups agree
     for r, a in zip(rollouts, adv.tolist()):
         r["advantage"] = a
     lengths = torch.tensor([r["length"] for r in rollouts])
-    w = T.aggregation_weights(adv, lengths, args.group_size, "balanced")
+    w = T.aggregation_weights(adv, lengths, args.group_size, args.agg, max_len=args.max_response_len)
     engine.train()
     T.update_minibatch(engine, rollouts, w, args, device)  # warm-up: optimizer state, traces
     bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device)

@@ -29,14 +29,16 @@ from pathlib import Path
 
 import torch
 
+from scripts.ablation import rule_args
+from train_grpo import AGGS
+
 ROOT = Path(__file__).resolve().parent.parent  # the project's root
 
 # The comparison's rules: the paper's three, the peer trainers' two token means and Dr. GRPO (its
 # normaliser with unscaled advantages, ablation.RULE_ARGS). seq-sum is the normaliser times L_max, a
 # constant that Adam divides out up to the gradient clip.
-RULES = ["seq", "token", "token-batch", "balanced", "balanced-batch", "dr-grpo"]
+RULES = [a for a in AGGS if a != "seq-sum"]  # the trainer's rules, in its order
 REFERENCE = "balanced"  # the paper's rule: every other rule is tested against it
-GROUP, PROMPTS, LR, CLIP, ADAM_EPS, MAX_LEN = 8, 32, 2e-4, 1.0, 1e-8, 48  # the lab's settings
 
 
 # -----------------------------------------------------------------------------
@@ -83,8 +85,9 @@ def success_probability(model, tok, task: str, pairs: list[tuple[int, int]]) -> 
     return {"J": J / n, "check_first": check / n, "answer_after_check": stop / n}
 
 
-def sample_step(model, tok, pairs: list[tuple[int, int]], gen: torch.Generator) -> tuple[list, torch.Tensor]:
-    """One rollout step of the initial policy: G responses per prompt at temperature 1, as
+def sample_step(model, tok, pairs: list[tuple[int, int]], gen: torch.Generator, args: argparse.Namespace
+                ) -> tuple[list, torch.Tensor]:
+    """One rollout step of the initial policy as the run `args` samples it: G responses per prompt, as
     (prompt + response token ids, prompt length) and the 0/1 math rewards."""
     from data.templates import render_prompt
     from rewards import math_reward
@@ -94,12 +97,13 @@ def sample_step(model, tok, pairs: list[tuple[int, int]], gen: torch.Generator) 
     enc = tok(prompts, return_tensors="pt", padding=True)
     torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=MAX_LEN,
-                             num_return_sequences=GROUP, pad_token_id=tok.eos_token_id)
+        out = model.generate(**enc, do_sample=True, temperature=args.temperature, top_p=args.top_p,
+                             max_new_tokens=args.max_response_len, num_return_sequences=args.group_size,
+                             pad_token_id=tok.eos_token_id)
     seqs, rewards = [], []
     for j, row in enumerate(out):
-        a, b = pairs[j // GROUP]
-        prompt = enc["input_ids"][j // GROUP][enc["attention_mask"][j // GROUP].bool()].tolist()
+        a, b = pairs[j // args.group_size]
+        prompt = enc["input_ids"][j // args.group_size][enc["attention_mask"][j // args.group_size].bool()].tolist()
         resp = row[enc["input_ids"].shape[1] :].tolist()
         n = resp.index(tok.eos_token_id) + 1 if tok.eos_token_id in resp else len(resp)  # EOS counted
         seqs.append((prompt + resp[:n], len(prompt)))
@@ -107,14 +111,14 @@ def sample_step(model, tok, pairs: list[tuple[int, int]], gen: torch.Generator) 
     return seqs, torch.tensor(rewards, dtype=torch.float64)
 
 
-def step_gradient(model, seqs: list, rewards: torch.Tensor, agg: str) -> dict[str, torch.Tensor]:
-    """The gradient of sum_i w_i sum_t (-A_i log pi(y_it)) for `agg` on one step's rollouts, clipped at
-    norm 1 (the trainer's ds_config)."""
-    from train_grpo import aggregation_weights, group_advantages
+def step_gradient(model, seqs: list, rewards: torch.Tensor, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The gradient of sum_i w_i sum_t (-A_i log pi(y_it)) on one step's rollouts, with the advantages and
+    weights the trainer computes from the run's arguments `args`, clipped as its DeepSpeed config clips."""
+    from train_grpo import advantages, aggregation_weights
 
-    adv = group_advantages(rewards, GROUP, scale_by_std=agg != "dr-grpo")  # Dr. GRPO: A = r - mean
+    adv = advantages(rewards, args)
     lengths = torch.tensor([len(s) - p for s, p in seqs])
-    w = aggregation_weights(adv, lengths, GROUP, agg, max_len=MAX_LEN)
+    w = aggregation_weights(adv, lengths, args.group_size, args.agg, max_len=args.max_response_len)
     model.zero_grad(set_to_none=True)
     eos = model.config.eos_token_id
     width = max(len(s) for s, _ in seqs)
@@ -129,20 +133,30 @@ def step_gradient(model, seqs: list, rewards: torch.Tensor, agg: str) -> dict[st
     (-(coef * lp * resp).sum()).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
-    scale = min(1.0, CLIP / (float(norm) + 1e-6))
+    scale = min(1.0, optimizer_settings(args)["clip"] / (float(norm) + 1e-6))
     return {n: g * scale for n, g in grads.items()}
 
 
-def first_step(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def optimizer_settings(args: argparse.Namespace) -> dict[str, float]:
+    """The run's learning rate, Adam's eps and the gradient clip, as its DeepSpeed config sets them."""
+    from train_grpo import deepspeed_config
+
+    cfg = deepspeed_config(args, 1)
+    return {"lr": args.lr, "eps": cfg["optimizer"]["params"]["eps"], "clip": cfg["gradient_clipping"]}
+
+
+def first_step(grads: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """Adam's first update: lr m / (sqrt(v) + eps) with m = g, v = g^2 after bias correction."""
-    return {n: LR * g / (g.abs() + ADAM_EPS) for n, g in grads.items()}
+    opt = optimizer_settings(args)
+    return {n: opt["lr"] * g / (g.abs() + opt["eps"]) for n, g in grads.items()}
 
 
-def steady_step(steps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def steady_step(steps: list[dict[str, torch.Tensor]], args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """An update of Adam whose moments have averaged over these steps' gradients: lr E[g] / sqrt(E[g^2])
     per coordinate (a coordinate whose gradient flips sign between steps barely moves)."""
-    return {n: LR * sum(g[n] for g in steps) / len(steps)
-            / ((sum(g[n] ** 2 for g in steps) / len(steps)).sqrt() + ADAM_EPS) for n in steps[0]}
+    opt = optimizer_settings(args)
+    return {n: opt["lr"] * sum(g[n] for g in steps) / len(steps)
+            / ((sum(g[n] ** 2 for g in steps) / len(steps)).sqrt() + opt["eps"]) for n in steps[0]}
 
 
 def gain(model, tok, task: str, pairs: list, update: dict[str, torch.Tensor], base: dict) -> dict[str, float]:
@@ -172,10 +186,12 @@ def predict(task: str, steps: int, seed: int = 0, post_hoc: bool = False) -> Non
     train_pairs, test_pairs = split_pairs()
     base = success_probability(model, tok, task, test_pairs)
     gen = torch.Generator().manual_seed(seed)
+    args = {agg: rule_args(task, agg) for agg in RULES}  # each rule's run, as the ablation trains it
+    sampling = args[REFERENCE]  # how every rule's run samples (the rules differ in the update only)
     rollouts = []
     for _ in range(steps):
-        idx = torch.randperm(len(train_pairs), generator=gen)[:PROMPTS].tolist()
-        rollouts.append(sample_step(model, tok, [train_pairs[i] for i in idx], gen))
+        idx = torch.randperm(len(train_pairs), generator=gen)[: sampling.prompts_per_step].tolist()
+        rollouts.append(sample_step(model, tok, [train_pairs[i] for i in idx], gen, sampling))
     acc = float(torch.cat([r for _, r in rollouts]).mean())
     lengths = [len(s) - p for seqs, _ in rollouts for s, p in seqs]
     print(f"{task}: J {base['J']:.4f} (right answers, held-out prompts), check first {base['check_first']:.3f}, "
@@ -185,9 +201,9 @@ def predict(task: str, steps: int, seed: int = 0, post_hoc: bool = False) -> Non
           "check x1000 | relative to balanced |\n|---|---|---|---|---|")
     rows, grads = {}, {}
     for agg in RULES:
-        grads[agg] = [step_gradient(model, seqs, rewards, agg) for seqs, rewards in rollouts
+        grads[agg] = [step_gradient(model, seqs, rewards, args[agg]) for seqs, rewards in rollouts
                       if rewards.min() != rewards.max()]
-        rows[agg] = [gain(model, tok, task, test_pairs, first_step(g), base) for g in grads[agg]]
+        rows[agg] = [gain(model, tok, task, test_pairs, first_step(g, args[agg]), base) for g in grads[agg]]
     ref = sum(g["J"] for g in rows[REFERENCE]) / len(rows[REFERENCE])
     for agg, gains in rows.items():
         m = {k: sum(g[k] for g in gains) / len(gains) for k in base}
@@ -195,7 +211,7 @@ def predict(task: str, steps: int, seed: int = 0, post_hoc: bool = False) -> Non
         print(f"| {agg} | {m['J']:+.2f} ± {se:.2f} | {m['check_first']:+.2f} | {m['answer_after_check']:+.2f} | "
               f"{m['J'] / ref:.2f} |")
     if post_hoc:  # written after the runs: not part of the prediction (docs/lab.md says why it was added)
-        steady = {agg: gain(model, tok, task, test_pairs, steady_step(grads[agg]), base) for agg in RULES}
+        steady = {agg: gain(model, tok, task, test_pairs, steady_step(grads[agg], args[agg]), base) for agg in RULES}
         print(f"\nPost hoc: one update of Adam with moments averaged over the {len(grads[REFERENCE])} steps' "
               "gradients, lr E[g] / sqrt(E[g^2]) (x1000)\n")
         print("| rule | gain in J | check first | answer after one check | relative to balanced |\n"

@@ -41,71 +41,80 @@ from pathlib import Path
 
 import torch
 
+from scripts.ablation import rule_args
 from train_grpo import AGGS as RULES
 
 ROOT = Path(__file__).resolve().parent.parent  # the project's root
 
-MAX_LEN = 48  # dr-grpo's L_max: the lab's --max-response-len
+def run_args(run: Path, required: tuple[str, ...] = ()) -> argparse.Namespace:
+    """The trainer's arguments a run recorded (grpo_run.recorded_args)."""
+    import train_grpo
+    from grpo_run import recorded_args
+
+    return recorded_args(run, train_grpo.parse_args([]), required)
 
 
-def rule_weights(adv: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str, batch_groups: int = 32,
-                 max_len: int = MAX_LEN) -> torch.Tensor:
-    """The trainer's weights on steps of `batch_groups` groups (the lab's 32 prompts per step), scaled so
-    that a sum over all responses is the mean over steps of each step's sum."""
+def in_groups_of(args: argparse.Namespace, n: int) -> argparse.Namespace:
+    """The run's arguments for samples drawn n per prompt (evaluate.py's --n) instead of G."""
+    return argparse.Namespace(**{**vars(args), "group_size": n})
+
+
+def rule_weights(adv: torch.Tensor, lengths: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """The trainer's weights (aggregation_weights with the run's arguments) on mini-batches of the run's
+    size, scaled so that a sum over all responses is the mean over mini-batches of each one's sum."""
     from train_grpo import aggregation_weights
 
-    size, L = batch_groups * group_size, lengths.long()
-    return torch.cat([aggregation_weights(adv[i : i + size], L[i : i + size], group_size, agg, max_len=max_len)
-                      * len(adv[i : i + size]) for i in range(0, len(L), size)]) / len(L)
+    size, L = args.prompts_per_step // args.minibatches * args.group_size, lengths.long()
+    return torch.cat([aggregation_weights(adv[i : i + size], L[i : i + size], args.group_size, args.agg,
+                                          max_len=args.max_response_len) * len(adv[i : i + size])
+                      for i in range(0, len(L), size)]) / len(L)
 
 
-def hazard_push(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str,
-                population: torch.Tensor | None = None, batch_groups: int = 32) -> float:
-    """sum_i w_i A_i (1 - H(L_i)) per group (groups: consecutive runs of group_size responses),
-    with the hazard of the `population` lengths (default: these) and the weights of rollout
-    batches of `batch_groups` groups (the lab's 32 prompts per step)."""
-    from train_grpo import group_advantages
+def hazard_push(rewards: torch.Tensor, lengths: torch.Tensor, args: argparse.Namespace,
+                population: torch.Tensor | None = None) -> float:
+    """sum_i w_i A_i (1 - H(L_i)) per group (groups: consecutive runs of args.group_size responses), with
+    the hazard of the `population` lengths (default: these), and the advantages and weights the trainer
+    computes with the run's arguments `args`."""
+    from train_grpo import advantages
 
     L, pop = lengths.long(), (lengths if population is None else population).long()
     counts = torch.bincount(pop, minlength=int(max(L.max(), pop.max())) + 1).double()
     at_risk = counts.flip(0).cumsum(0).flip(0)  # #{L >= t}
     cum_hazard = (counts / at_risk.clamp(min=1)).cumsum(0)
-    adv = group_advantages(rewards.double(), group_size)
-    w = rule_weights(adv, L, group_size, agg, batch_groups)
+    adv = advantages(rewards.double(), args)
+    w = rule_weights(adv, L, args)
     return float((w * adv * (1 - cum_hazard[L])).sum())
 
 
-def loss_scale(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str) -> float:
+def loss_scale(rewards: torch.Tensor, lengths: torch.Tensor, args: argparse.Namespace) -> float:
     """sum_i w_i L_i of a step: 1 for the rules that take a mean of token terms, L-bar for seq-sum."""
-    from train_grpo import group_advantages
+    from train_grpo import advantages
 
-    return float((rule_weights(group_advantages(rewards.double(), group_size), lengths, group_size, agg)
-                  * lengths).sum())
+    return float((rule_weights(advantages(rewards.double(), args), lengths, args) * lengths).sum())
 
 
-def coupling(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str) -> tuple[float, float]:
+def coupling(rewards: torch.Tensor, lengths: torch.Tensor, args: argparse.Namespace) -> tuple[float, float]:
     """(the on-policy pg loss of a step, -sum_i w_i A_i L_i; the same over loss_scale)."""
-    from train_grpo import group_advantages
+    from train_grpo import advantages
 
-    adv = group_advantages(rewards.double(), group_size)
-    w = rule_weights(adv, lengths, group_size, agg)
-    loss = float(-(w * adv * lengths).sum())
-    return loss, loss / loss_scale(rewards, lengths, group_size, agg)
+    adv = advantages(rewards.double(), args)
+    loss = float(-(rule_weights(adv, lengths, args) * adv * lengths).sum())
+    return loss, loss / loss_scale(rewards, lengths, args)
 
 
-def shuffled_push(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, agg: str, draws: int = 200) -> float:
+def shuffled_push(rewards: torch.Tensor, lengths: torch.Tensor, args: argparse.Namespace, draws: int = 200) -> float:
     """E[push] with the lengths permuted across all responses: length independent of reward."""
     g = torch.Generator().manual_seed(0)
-    return sum(hazard_push(rewards, lengths[torch.randperm(len(lengths), generator=g)], group_size, agg, lengths)
+    return sum(hazard_push(rewards, lengths[torch.randperm(len(lengths), generator=g)], args, lengths)
                for _ in range(draws)) / draws
 
 
-def simulated_push(lengths: torch.Tensor, accuracy: float, group_size: int, agg: str, groups: int = 64_000) -> float:
+def simulated_push(lengths: torch.Tensor, accuracy: float, args: argparse.Namespace, groups: int = 64_000) -> float:
     """E[push] per group for binary rewards ~ Bernoulli(accuracy) and lengths drawn from `lengths`."""
     g = torch.Generator().manual_seed(0)
-    r = (torch.rand(groups * group_size, generator=g) < accuracy).double()
-    L = lengths[torch.randint(len(lengths), (groups * group_size,), generator=g)]
-    return hazard_push(r, L, group_size, agg, population=lengths)
+    r = (torch.rand(groups * args.group_size, generator=g) < accuracy).double()
+    L = lengths[torch.randint(len(lengths), (groups * args.group_size,), generator=g)]
+    return hazard_push(r, L, args, population=lengths)
 
 
 def checkpoint_samples(ckpt: str, eval_args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -128,19 +137,18 @@ def checkpoint_samples(ckpt: str, eval_args: argparse.Namespace) -> tuple[torch.
 
 def training_metric(runs: list[Path], key: str, step: int) -> list[float]:
     """The runs' logged `key` at the rollout of `step` (metrics.jsonl), one value per run."""
-    out = []
-    for run in runs:
-        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        out += [m[key] for m in lines if m["step"] == step and key in m]
-    return out
+    from grpo_run import run_metrics
+
+    return [m[key] for m in (run_metrics(run).get(step, {}) for run in runs) if key in m]
 
 
-def mean_pm_std(xs: list[float]) -> str:
+def mean_std(xs: list[float], digits: int = 1, sign: bool = False) -> str:
+    """Mean ± sample standard deviation over seeds, as every table prints it ("-" for none)."""
     if not xs:
         return "-"
     m = sum(xs) / len(xs)
-    s = (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
-    return f"{m:.1f} ± {s:.1f}"
+    sd = (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
+    return f"{m:{'+' if sign else ''}.{digits}f} ± {sd:.{digits}f}"
 
 
 def setting_runs(ablation: Path) -> dict[tuple[str, str], list[Path]]:
@@ -148,15 +156,15 @@ def setting_runs(ablation: Path) -> dict[tuple[str, str], list[Path]]:
     out = defaultdict(list)
     for agg, runs in ablation_runs(str(ablation)).items():
         for run in runs:
-            out[(agg, json.loads((run / "args.json").read_text()).get("policy_loss", "ppo"))].append(run)
+            out[(agg, run_args(run).policy_loss)].append(run)
     return dict(sorted(out.items(), key=lambda kv: (kv[0][1] != "ppo", kv[0][1], RULES.index(kv[0][0]))))
 
 
-def scale_free(metrics: dict, agg: str) -> float:
+def scale_free(metrics: dict, args: argparse.Namespace) -> float:
     """A step's loss/pg over its total token weight sum_i w_i L_i (loss_scale): L-bar for seq-sum,
     L-bar / L_max for dr-grpo, 1 for the others."""
     return metrics["loss/pg"] / {"seq-sum": metrics["length/mean"],
-                                 "dr-grpo": metrics["length/mean"] / MAX_LEN}.get(agg, 1.0)
+                                 "dr-grpo": metrics["length/mean"] / args.max_response_len}.get(args.agg, 1.0)
 
 
 def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path | None, per_seed: bool = False) -> None:
@@ -173,13 +181,9 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
         return tuple(100 * pl[k][1]["average"][f"acc@{eval_args.n}"] for k in ("peak", "last"))
 
     def steps(run: Path) -> dict[int, dict]:
-        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        return {m["step"]: m for m in lines if "loss/pg" in m}
+        from grpo_run import run_metrics
 
-    def fmt(xs: list[float], digits: int = 1, sign: bool = False) -> str:
-        m = sum(xs) / len(xs)
-        sd = (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
-        return f"{m:{'+' if sign else ''}.{digits}f} ± {sd:.{digits}f}"
+        return {s: m for s, m in run_metrics(run).items() if "loss/pg" in m}
 
     tasks = {Path(a).name.split("-", 1)[1] if "-" in Path(a).name else Path(a).name: setting_runs(Path(a))
              for a in ablations}
@@ -201,34 +205,34 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
             if not runs:
                 cells += ["-"] * ((3 if "nogap" in task else 5) + losses)
                 continue
-            per_run = [steps(r) for r in runs]
-            seeds = [json.loads((r / "args.json").read_text())["seed"] for r in runs]
+            per_run, run_argss = [steps(r) for r in runs], [run_args(r) for r in runs]
+            seeds = [a.seed for a in run_argss]
             if "nogap" not in task:
-                first = [sum(scale_free(m[s], agg) for s in range(1, 6)) / 5 for m in per_run]
-                cells.append(fmt([sum(m[s]["loss/pg"] for s in range(1, 6)) / 5 for m in per_run], 4, True))
-                cells.append(fmt(first, 4, True))
-                cells.append(fmt([scale_free(m[1], agg) for m in per_run], 4, True))  # the prediction's own step
+                first = [sum(scale_free(m[s], a) for s in range(1, 6)) / 5 for m, a in zip(per_run, run_argss)]
+                cells.append(mean_std([sum(m[s]["loss/pg"] for s in range(1, 6)) / 5 for m in per_run], 4, True))
+                cells.append(mean_std(first, 4, True))
+                cells.append(mean_std([scale_free(m[1], a) for m, a in zip(per_run, run_argss)], 4, True))  # step 1
             else:
                 pushes = []
-                for run in runs:
+                for run, a in zip(runs, run_argss):
                     samples = [checkpoint_samples(c, eval_args) for _, c in evaluate.run_checkpoints(str(run))]
-                    pushes.append(sum(1000 * shuffled_push(r, L, n, agg, draws=20) / loss_scale(r, L, n, agg)
-                                      for r, L, n in samples) / len(samples))
-                cells.append(fmt(pushes, 2, True))
+                    pushes.append(sum(1000 * shuffled_push(r, L, in_groups_of(a, n), draws=20)
+                                      / loss_scale(r, L, in_groups_of(a, n)) for r, L, n in samples) / len(samples))
+                cells.append(mean_std(pushes, 2, True))
             late = [sum(m[s]["length/mean"] for s in range(36, 41)) / 5 for m in per_run]
-            cells.append(fmt(late))
+            cells.append(mean_std(late))
             peaks_lasts = [acc(r) for r in runs]
             for k, seed in enumerate(seeds):
                 signal = f"{first[k]:+.4f}" if "nogap" not in task else f"{pushes[k]:+.2f}"
                 seed_rows.append(f"| {task} | {cells[0]} | {seed} | {signal} | {late[k]:.1f} | "
                                  f"{peaks_lasts[k][0]:.1f} / {peaks_lasts[k][1]:.1f} |")
-            cells.append(f"{fmt([p for p, _ in peaks_lasts])} / {fmt([x for _, x in peaks_lasts])}")
+            cells.append(f"{mean_std([p for p, _ in peaks_lasts])} / {mean_std([x for _, x in peaks_lasts])}")
             if losses:
-                cells.append(fmt([sum(m[s]["loss/clip_frac"] for s in m if s > 0) / (len(m) - (0 in m))
+                cells.append(mean_std([sum(m[s]["loss/clip_frac"] for s in m if s > 0) / (len(m) - (0 in m))
                                   for m in per_run], 3))
             for key in ("loss/pg", "length/mean"):
-                curves[(task, key)][(agg, loss)] = [[scale_free(m[s], agg) if key == "loss/pg" else m[s][key]
-                                                     for s in sorted(m)] for m in per_run]
+                curves[(task, key)][(agg, loss)] = [[scale_free(m[s], a) if key == "loss/pg" else m[s][key]
+                                                     for s in sorted(m)] for m, a in zip(per_run, run_argss)]
         print("| " + " | ".join(cells) + " |")
     if per_seed:
         ses = []  # the evaluation's own noise: Acc@n's standard error over the held-out prompts, last checkpoint
@@ -324,10 +328,10 @@ def ablation_runs(ablation: str) -> dict[str, list[Path]]:
         raise ValueError(f"{ablation}: no such directory (give an ablation.py --out directory)")
     by_agg = defaultdict(list)
     for run in sorted(p for p in Path(ablation).iterdir() if (p / "args.json").exists()):
-        a = json.loads((run / "args.json").read_text())
-        if not isinstance(a, dict) or a.get("agg") not in RULES:
+        agg = run_args(run, required=("agg",)).agg
+        if agg not in RULES:
             raise ValueError(f"{run / 'args.json'}: no 'agg' of train_grpo.py's rules (not the trainer's args.json)")
-        by_agg[a["agg"]].append(run)
+        by_agg[agg].append(run)
     if not by_agg:
         raise ValueError(f"{ablation}: no training runs in it (directories with an args.json, as ablation.py writes)")
     return by_agg
@@ -360,14 +364,15 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
 
         rewards, lengths, n = checkpoint_samples(model_dir(args.model), ev)
         print(f"{args.model}: accuracy {rewards.mean():.3f}, mean length {lengths.double().mean():.1f} "
-              f"({len(lengths)} samples, groups of {n}, steps of 32 groups, L_max {MAX_LEN})\n")
+              f"({len(lengths)} samples, groups of {n}, each rule's arguments as the ablation trains it)\n")
         print("| rule | sum w L | coupling: pg loss at step 1 | scale-free | push x1000, as sampled | "
               "push x1000, lengths shuffled |\n|---|---|---|---|---|---|")
         for agg in RULES:  # scale-free: over sum w L, a step's total token weight (1 for the mean rules)
-            (loss, share), total = coupling(rewards, lengths, n, agg), loss_scale(rewards, lengths, n, agg)
+            a = in_groups_of(rule_args(args.model, agg), n)
+            (loss, share), total = coupling(rewards, lengths, a), loss_scale(rewards, lengths, a)
             print(f"| {agg} | {total:.3g} | {loss:+.4f} | {share:+.4f} | "
-                  f"{1000 * hazard_push(rewards, lengths, n, agg) / total:+.2f} | "
-                  f"{1000 * shuffled_push(rewards, lengths, n, agg, draws=50) / total:+.2f} |")
+                  f"{1000 * hazard_push(rewards, lengths, a) / total:+.2f} | "
+                  f"{1000 * shuffled_push(rewards, lengths, a, draws=50) / total:+.2f} |")
         return
     if args.model:
         from data.demo import model_dir
@@ -377,7 +382,8 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
               f"length CV {lengths.double().std() / lengths.double().mean():.2f} ({len(lengths)} samples)")
         print("| accuracy | " + " | ".join(RULES) + " |\n|---|" + "---|" * len(RULES))
         for acc in (0.1, 0.22, 0.3, 0.5, 0.7, 0.78, 0.9):
-            print(f"| {acc:.2f} | " + " | ".join(f"{simulated_push(lengths, acc, n, a):+.4f}" for a in RULES) + " |")
+            pushes = [simulated_push(lengths, acc, in_groups_of(rule_args(args.model, a), n)) for a in RULES]
+            print(f"| {acc:.2f} | " + " | ".join(f"{p:+.4f}" for p in pushes) + " |")
         return
 
     by_agg = ablation_runs(args.ablation)
@@ -390,8 +396,8 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
     print("| rule | " + " | ".join(f"step {s}" for s in steps) + " | steps 36-40 |\n|---|" + "---|" * (len(steps) + 1))
     for agg, group in by_agg.items():
         late = [sum(training_metric([run], "length/mean", s)[0] for s in range(36, 41)) / 5 for run in group]
-        print(f"| {agg} | " + " | ".join(mean_pm_std(training_metric(group, "length/mean", s)) for s in steps)
-              + f" | {mean_pm_std(late)} |")
+        print(f"| {agg} | " + " | ".join(mean_std(training_metric(group, "length/mean", s)) for s in steps)
+              + f" | {mean_std(late)} |")
     print(f"\n{args.ablation}: push towards stopping (x1000; + shorter, - longer) on each checkpoint's cached groups, "
           "as sampled / with lengths shuffled; training length and accuracy at that step (mean ± std over seeds)\n")
     print("| rule | step | accuracy | mean length | push as sampled | push, lengths shuffled | "
@@ -399,17 +405,17 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
     for agg, group in by_agg.items():
         per_step = defaultdict(list)
         for run in group:
-            for step, sample in samples[run]:
-                per_step[step].append(sample)
-        for step, samples in sorted(per_step.items()):
-            acc = [float(r.mean()) for r, _, _ in samples]
-            mean_len = [float(L.double().mean()) for _, L, _ in samples]
-            push = [1000 * hazard_push(r, L, n, agg) for r, L, n in samples]
-            shuf = [1000 * shuffled_push(r, L, n, agg, draws=50) for r, L, n in samples]
+            for step, (r, L, n) in samples[run]:
+                per_step[step].append((r, L, in_groups_of(run_args(run), n)))
+        for step, at_step in sorted(per_step.items()):
+            acc = [float(r.mean()) for r, _, _ in at_step]
+            mean_len = [float(L.double().mean()) for _, L, _ in at_step]
+            push = [1000 * hazard_push(r, L, a) for r, L, a in at_step]
+            shuf = [1000 * shuffled_push(r, L, a, draws=50) for r, L, a in at_step]
             train_len = training_metric(group, "length/mean", step + 1)
             train_acc = [100 * x for x in training_metric(group, "reward/accuracy", step + 1)]
-            print(f"| {agg} | {step} | {mean_pm_std([100 * a for a in acc])} | {mean_pm_std(mean_len)} | "
-                  f"{mean_pm_std(push)} | {mean_pm_std(shuf)} | {mean_pm_std(train_len)} | {mean_pm_std(train_acc)} |")
+            print(f"| {agg} | {step} | {mean_std([100 * a for a in acc])} | {mean_std(mean_len)} | "
+                  f"{mean_std(push)} | {mean_std(shuf)} | {mean_std(train_len)} | {mean_std(train_acc)} |")
 
 
 if __name__ == "__main__":

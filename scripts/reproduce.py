@@ -23,12 +23,14 @@ import sys
 import time
 from pathlib import Path
 
+from scripts import compare_rules
+
 ROOT = Path(__file__).resolve().parent.parent  # the project's root
 RESULTS = ROOT / "docs" / "results.md"
 PY = sys.executable
 SEEDS5 = ["1", "2", "3", "4", "5"]
 COMPARE_RULES, LENGTH_DRIFT = "scripts.compare_rules", "scripts.length_drift"  # the tables' modules
-COMPARE = ["seq", "token", "token-batch", "balanced", "balanced-batch", "dr-grpo"]  # compare_rules.RULES
+COMPARE = compare_rules.RULES
 
 # name: (what it is, [ablation.py arguments, ...], [table command, ...]). A table command is a
 # module of this folder run from the project root; its standard output is the section's table.

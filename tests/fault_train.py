@@ -31,8 +31,8 @@ def rollout(llm, rows, args, step, first_index):
     return real_rollout(llm, rows, args, step, first_index)
 
 
-def group_advantages(rewards, group_size, scale_by_std=True, eps=1e-6):
-    adv = real_advantages(rewards, group_size, scale_by_std, eps)
+def advantages(*a, **kw):
+    adv = real_advantages(*a, **kw)
     return adv * float("nan") if current["step"] == NAN_STEP else adv
 
 
@@ -73,10 +73,10 @@ def sync_weights_to_vllm(engine, llm):
     llm.apply_model(functools.partial(_scale_final_norm, scale=SCALE))
 
 
-real_rollout, real_advantages, real_save, real_sync = T.rollout, T.group_advantages, T.save_checkpoint, \
+real_rollout, real_advantages, real_save, real_sync = T.rollout, T.advantages, T.save_checkpoint, \
     T.sync_weights_to_vllm
 real_update = T.update_minibatch
-T.rollout, T.group_advantages, T.save_checkpoint, T.update_minibatch = rollout, group_advantages, save_checkpoint, \
+T.rollout, T.advantages, T.save_checkpoint, T.update_minibatch = rollout, advantages, save_checkpoint, \
     update_minibatch
 if SCALE != 1:
     T.sync_weights_to_vllm = sync_weights_to_vllm

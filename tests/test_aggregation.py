@@ -1,5 +1,6 @@
 """aggregation_weights, group_advantages and the surrogate against hand-computed values."""
 
+import argparse
 import math
 
 import pytest
@@ -263,19 +264,23 @@ def test_chunked_logprobs_equal_the_full_softmax(chunk):
 
 
 def test_length_drift_push_on_the_stopping_decision():
+    from scripts.ablation import rule_args
     from scripts.length_drift import hazard_push, simulated_push
+
+    def rule(agg: str, group_size: int) -> argparse.Namespace:  # the lab's run of the rule, in groups of G
+        return argparse.Namespace(**{**vars(rule_args("lab", agg)), "group_size": group_size})
 
     # one group, A = +-1/sqrt(2); hazard of lengths {1, 2}: h_1 = 1/2, h_2 = 1, so H(1) = 0.5, H(2) = 1.5;
     # seq: w = 1/(G L) = (1/2, 1/4): push = 1/2 a (1 - 0.5) + 1/4 (-a) (1 - 1.5)
     a = 2**-0.5 / (1 + 1e-6 * 2**0.5)
-    push = hazard_push(F(1, 0), torch.tensor([1, 2]), 2, "seq")
+    push = hazard_push(F(1, 0), torch.tensor([1, 2]), rule("seq", 2))
     assert push == pytest.approx(0.25 * a + 0.125 * a)
     # lengths independent of rewards: no push from seq or token; balanced pushes towards stopping when
     # successes are the minority and away from it when they are the majority; balanced-batch ~ not
     L = torch.arange(6, 36)
     rules = ("seq", "token", "balanced", "balanced-batch")
-    low = {agg: simulated_push(L, 0.22, 8, agg, groups=16_000) for agg in rules}
-    high = simulated_push(L, 0.78, 8, "balanced", groups=16_000)
+    low = {agg: simulated_push(L, 0.22, rule(agg, 8), groups=16_000) for agg in rules}
+    high = simulated_push(L, 0.78, rule("balanced", 8), groups=16_000)
     assert low["balanced"] > 10 * max(abs(low["seq"]), abs(low["token"]), abs(low["balanced-batch"]))
     assert high < 0 and abs(high + low["balanced"]) < 0.3 * low["balanced"]
 

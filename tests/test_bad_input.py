@@ -832,7 +832,7 @@ def test_length_drift_checks_its_other_arguments(tmp_path, monkeypatch, capsys, 
 
     abl = short_ablation(tmp_path / "ablation-lab", steps=40)
     (abl / "lab-balanced-s1" / "args.json").write_text("{}")
-    cases = [([str(abl)], f"{abl}/lab-balanced-s1/args.json: no 'agg' of train_grpo.py's rules"),  # once KeyError
+    cases = [([str(abl)], f"{abl}/lab-balanced-s1/args.json: no 'agg' of train_grpo.py's"),  # once KeyError
              (["--summary", str(abl), "--figure", str(files / "a_file" / "f.png")], "the --figure goes there"),
              (["--summary", str(abl), "--figure", str(files)], "is a directory; give a .png file"),
              ([str(abl), "--figure", "f.png"], "--figure goes with --summary"),

@@ -8,6 +8,7 @@ table fails its probe's first test; a rule added without a probe fails the catal
 """
 
 import errno
+import inspect
 import json
 import shutil
 
@@ -64,21 +65,24 @@ PROBES = [
     ("setxattrat", None, errno.EOPNOTSUPP, [BAD_FD, b"x", 0, b"user.x", 0, 0]),
 ]
 
-# Runs each [number, arguments] given and prints what each got: 0 where the call succeeded, else its errno.
-_PROBE = r'''
-import ctypes, json, mmap
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
-page = mmap.mmap(-1, 4096, mmap.MAP_SHARED)
-address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-got = []
-for nr, args in json.loads({calls!r}):
-    args = [address if a == "page" else a.encode("latin-1") if isinstance(a, str) else ctypes.c_long(a)
-            for a in args]
-    ctypes.set_errno(0)
-    got.append(0 if libc.syscall(ctypes.c_long(nr), *args) >= 0 else ctypes.get_errno())
-print(json.dumps(got))
-'''
+def probe(calls: list) -> None:
+    """In the sandbox: runs each [number, arguments] given and prints what each got: 0 where the call
+    succeeded, else its errno ("page": the address of a shared page of its own)."""
+    import ctypes
+    import json
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    page = mmap.mmap(-1, 4096, mmap.MAP_SHARED)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    got = []
+    for nr, args in calls:
+        args = [address if a == "page" else a.encode("latin-1") if isinstance(a, str) else ctypes.c_long(a)
+                for a in args]
+        ctypes.set_errno(0)
+        got.append(0 if libc.syscall(ctypes.c_long(nr), *args) >= 0 else ctypes.get_errno())
+    print(json.dumps(got))
 
 
 def label(probe: tuple) -> str:
@@ -94,7 +98,7 @@ def rule_key(rule: tuple) -> tuple:
 def run_probes(probes: list) -> list[int]:
     calls = [[sandbox._syscall_number(name),
               [a.decode("latin-1") if isinstance(a, bytes) else a for a in args]] for name, _, _, args in probes]
-    _, out, _ = sandbox.run_sandboxed(_PROBE.format(calls=json.dumps(calls)), timeout=10)
+    _, out, _ = sandbox.run_sandboxed(f"{inspect.getsource(probe)}\nprobe({calls!r})\n", timeout=10)
     return json.loads(out.strip().splitlines()[-1])
 
 
