@@ -33,8 +33,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: one engine, not one per rank as in training
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grpo_run as R  # noqa: E402  (the trainer's plumbing: argument checks, checkpoint names)
-import train_grpo as T  # noqa: E402  (its environment preamble: engines in-process; and the sampling path)
+import grpo_run  # noqa: E402  (the trainer's plumbing: argument checks, checkpoint names)
+import train_grpo  # noqa: E402  (its environment preamble: engines in-process; and the sampling path)
 from rewards import SCORING_VERSION  # noqa: E402
 
 PAPER_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})"
                     + ("; omit it to evaluate every problem" if k == "limit" else ""))
     try:
-        R.check_finite(args)
+        grpo_run.check_finite(args)
     except ValueError as e:
         p.error(str(e))
     if args.temperature < 0 or not 0 < args.top_p <= 1 or not 0 < args.gpu_memory <= 1:
@@ -88,8 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.temperature == 0 and args.n > 1:
         p.error(f"--temperature 0 is greedy: its --n {args.n} samples would all be one; give --n 1, or a temperature "
                 "> 0 to sample")
-    if not 0 <= args.seed <= R.SEED_MAX:
-        p.error(f"--seed must be in [0, {R.SEED_MAX}] (vLLM's range; got {args.seed})")
+    if not 0 <= args.seed <= grpo_run.SEED_MAX:
+        p.error(f"--seed must be in [0, {grpo_run.SEED_MAX}] (vLLM's range; got {args.seed})")
     if args.data_parallel_size is None:
         import torch
 
@@ -138,7 +138,7 @@ def check_checkpoint(path: str) -> None:
         has_weights = any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
         if not (p / "config.json").exists() or not has_weights:
             raise ValueError(f"{path}: no model weights (config.json and *.safetensors) in this directory")
-        if problem := R.model_dir_problem(path):  # else vLLM: "The decoder prompt cannot be empty"
+        if problem := grpo_run.model_dir_problem(path):  # else vLLM: "The decoder prompt cannot be empty"
             raise ValueError(f"{path}: {problem}")
         for f in sorted(p.glob("*.safetensors")):  # the header covers the whole file: opening a cut one fails
             try:
@@ -146,7 +146,7 @@ def check_checkpoint(path: str) -> None:
                     pass
             except Exception as e:  # safetensors' own error type
                 raise ValueError(f"{f}: damaged weights ({e})") from None
-    elif not R.is_hub_id(path):
+    elif not grpo_run.is_hub_id(path):
         raise ValueError(f"{path}: no such checkpoint directory")
 
 
@@ -173,7 +173,7 @@ def load_benchmarks(args) -> dict[str, list[dict]]:
 
 def check_writable(d: Path, what: str) -> None:
     """d (made if missing) takes files: a read-only run is named before the engine starts, not after it."""
-    if problem := R.writable_problem(d):
+    if problem := grpo_run.writable_problem(d):
         raise ValueError(f"{d} is not writable ({problem}): {what}")
 
 
@@ -239,9 +239,9 @@ def sample_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict
                         f.write(json.dumps(rec) + "\n")
                 skipped += sum(too_long)
                 chunk = [(i, {**r, "prompt_ids": x}) for (i, r), x, skip in zip(chunk, ids, too_long) if not skip]
-                texts, scores = T.sample_and_score(llm, [r for _, r in chunk], [i for i, _ in chunk], args.n,
-                                                   args.temperature, args.top_p, args.max_tokens, args.seed, 0,
-                                                   args.reward_workers)
+                texts, scores = train_grpo.sample_and_score(
+                    llm, [r for _, r in chunk], [i for i, _ in chunk], n=args.n, temperature=args.temperature,
+                    top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed, step=0, workers=args.reward_workers)
                 for (_, r), txt, sc in zip(chunk, texts, scores):
                     f.write(json.dumps({"id": r["id"], "scores": sc, "responses": txt,
                                         "reference": r.get("answer")}) + "\n")
@@ -323,7 +323,7 @@ def run_args(run: str) -> dict:
 
 def run_checkpoints(run: str) -> list[tuple[int, str]]:
     """(step, checkpoint) of a run: step 0 is the initial policy (the run's --model), then step_N."""
-    ckpts = R.checkpoint_dirs(Path(run, "checkpoints"))  # the trainer's own names: step_ and digits
+    ckpts = grpo_run.checkpoint_dirs(Path(run, "checkpoints"))  # the trainer's own names: step_ and digits
     if not Path(run).is_dir():
         raise ValueError(f"{run}: no such run directory")
     if not ckpts:
@@ -343,7 +343,7 @@ def group_runs(runs: list[str]) -> dict[str, list[str]]:
     """Runs of one setting (the same arguments but the seed) under one label: the arguments that
     differ between the settings ('token', 'lab-nogap balanced'), or each run alone by its name."""
     # what may differ between one run's launches, plus the seed and where it is written
-    same_setting = R.RUN_ARGS_IGNORED | {"seed", "output_dir"}
+    same_setting = grpo_run.RUN_ARGS_IGNORED | {"seed", "output_dir"}
 
     def setting(run: str) -> str:
         a = run_args(run)
@@ -513,7 +513,7 @@ def make_llm(model: str, args):
         kw.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory)
     else:
         context = args.max_model_len or getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 4096)
-        kw.update(T.vllm_cpu_kwargs(context))
+        kw.update(train_grpo.vllm_cpu_kwargs(context))
     return LLM(model=model, **kw)
 
 
@@ -531,7 +531,7 @@ def sample_all(pending: list[str], benchmarks: dict[str, list[dict]], args) -> N
         if llm is None:
             llm = make_llm(ckpt, args)
         else:  # same architecture: swap the weights in place instead of a new engine
-            T.load_weights_into_vllm(llm, weights_path=ckpt)
+            train_grpo.load_weights_into_vllm(llm, weights_path=ckpt)
         sample_checkpoint(llm, AutoTokenizer.from_pretrained(ckpt), ckpt, benchmarks, args)
         print(f"[eval] {ckpt}: sampled{'' if args.shard is None else f' (shard {args.shard})'} "
               f"in {time.time() - t0:.0f}s", flush=True)
@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
             for kind in {r["kind"] for r in rows}:
                 render_prompt("", args.template, first, kind)
     except (ValueError, RuntimeError, OSError) as e:
-        sys.exit(f"evaluate.py: error: {R.first_line(e)}")
+        sys.exit(f"evaluate.py: error: {grpo_run.first_line(e)}")
 
     per_run, results, pending = {}, {}, []  # results and pending by checkpoint
     for ckpts in jobs.values():
@@ -620,7 +620,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.shard is not None and not torch.cuda.is_available():
 
 
-            T.pin_cpu_rank(args.shard, args.data_parallel_size)  # each CPU engine on its own cores, as ranks are
+            # each CPU engine on its own cores, as ranks are
+            train_grpo.pin_cpu_rank(args.shard, args.data_parallel_size)
         sample_all(pending, benchmarks, args)  # this process's engine
         if args.shard is not None:
             return
@@ -655,4 +656,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    T.exit_without_teardown()
+    train_grpo.exit_without_teardown()

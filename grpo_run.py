@@ -224,7 +224,7 @@ RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers",
 
 # Flags added after runs were made, with the value such a run was trained with where today's default differs:
 # a record without the flag holds this value, and a launch that does not give the flag resumes with it.
-BEFORE_FLAG = {"code_reward": "fraction"}  # code scored the pass fraction before --code-reward (issue 27)
+BEFORE_FLAG = {"code_reward": "fraction"}  # code scored the pass fraction before --code-reward (scoring version 1)
 
 
 # may differ after --resume, which continues a run with them changed (optimisation knobs, lengths the data

@@ -43,7 +43,7 @@ from sandboxed.sandbox import CODE_TIMEOUT_S, SandboxUnavailable, run_cases, san
 
 log = logging.getLogger("rewards")
 # Bumped whenever the same response could score differently: evaluate.py keys its caches by it, so that no
-# table mixes scores of two versions. 2: code counts only a full pass (issue #27). 3: as root, a sandbox sees the
+# table mixes scores of two versions. 2: code counts only a full pass. 3: as root, a sandbox sees the
 # standard library only (no package the host's interpreter happens to have), and one past its memory fails.
 SCORING_VERSION = 3
 MATH_TIMEOUT_S = 5  # seconds (an int: math-verify hands it to signal.alarm)

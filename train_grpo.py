@@ -794,8 +794,9 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
         adv = per_token(torch.tensor([r["advantage"] for r in mb], dtype=logp.dtype))
         w = per_token(weights[idx].to(logp.dtype))
         c = rollout_correction(old, vllm, n_tok, args.rollout_correction, args.rollout_correction_cap)
-        loss_t, st = policy_loss_per_token(logp, old, adv, args.clip_eps_low, args.clip_eps_high, ref, args.kl_coef, c,
-                                           args.policy_loss, n_tok, (args.sapo_tau_pos, args.sapo_tau_neg))
+        loss_t, st = policy_loss_per_token(logp, old, adv, eps_low=args.clip_eps_low, eps_high=args.clip_eps_high,
+                                           ref_logp=ref, kl_coef=args.kl_coef, correction=c, loss=args.policy_loss,
+                                           lengths=n_tok, tau=(args.sapo_tau_pos, args.sapo_tau_neg))
         loss = (w * loss_t).sum()
         engine.backward(loss, scale_wrt_gas=False)
         engine.step()
@@ -1285,9 +1286,12 @@ def sample_and_score(llm, rows: list[dict], prompt_indices: list[int], n: int, t
 def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_dir: Path) -> dict[str, float]:
     """Greedy accuracy and sampled Acc@k on this rank's shard of the held-out prompts."""
     shard, idx, k = rows[rank::world], list(range(rank, len(rows), world)), args.eval_samples
-    g_text, g_score = sample_and_score(llm, shard, idx, 1, 0.0, 1.0, args.max_response_len, 0, 0, args.reward_workers)
-    _, s_score = sample_and_score(llm, shard, idx, k, args.temperature, args.top_p, args.max_response_len,
-                                  args.seed + 1, step, args.reward_workers)
+    greedy = dict(n=1, temperature=0.0, top_p=1.0, seed=0, step=0)  # one answer per prompt, the same every time
+    g_text, g_score = sample_and_score(llm, shard, idx, **greedy, max_tokens=args.max_response_len,
+                                       workers=args.reward_workers)
+    _, s_score = sample_and_score(llm, shard, idx, n=k, temperature=args.temperature, top_p=args.top_p,
+                                  max_tokens=args.max_response_len, seed=args.seed + 1, step=step,
+                                  workers=args.reward_workers)
     t = all_reduce([sum(x[0] for x in g_score), sum(map(sum, s_score)), len(shard), k * len(shard)])
     samples = [{"id": r["id"], "answer": r.get("answer"), "greedy": txt[0], "score": sc[0]}
                for r, txt, sc in zip(shard, g_text, g_score)]

@@ -76,7 +76,7 @@ SANDBOX_UIDS = range(_UID_BASE, _UID_BASE + 65536)
 # mounts there is memory outside every limit, and user namespaces are much of the kernel's attack surface.
 REFUSED_SYSCALLS = ("add_key", "keyctl", "request_key", "unshare", "setns")
 # What sandboxes share is the host kernel's state of the files every one of them reads (the interpreter's,
-# the system's): one sandbox could set it and another read it (issue #33). Each rule is (system call,
+# the system's): one sandbox could set it and another read it. Each rule is (system call,
 # errno, None or (argument, ">=" or "==", value)); see seccomp_rules.
 _LOCK_CMDS = (5, 6, 7, 12, 13, 14, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, their *64 and F_OFD_* forms
 _WATCH_CMDS = (1024, 1025, 1026)  # F_SETLEASE, F_GETLEASE, F_NOTIFY

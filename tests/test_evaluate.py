@@ -40,7 +40,7 @@ def test_benchmark_metrics_by_hand():
 
 
 def test_a_partial_pass_is_not_solved():
-    """A pass fraction (a cache of the scoring before issue #27, or code_partial) counts as 0, as LiveCodeBench
+    """A pass fraction (a cache of scoring version 1, or code_partial) counts as 0, as LiveCodeBench
     counts: Acc@k and Best@k take only full passes."""
     m = benchmark_metrics([[1, 0.5, 0.99, 0], [0.5, 0.5, 0.5, 0.5]], 4)
     assert m["acc@4"] == pytest.approx(0.25 / 2) and m["best@4"] == pytest.approx(0.5)

@@ -1,4 +1,4 @@
-"""Code rewards against a policy that games the checker (issue #17).
+"""Code rewards against a policy that games the checker.
 
 Ten families of programs that solve nothing but attack the function-test harness: they read the
 harness's secret from the caller's frame, from __main__, from the garbage collector or from an
@@ -210,7 +210,7 @@ def test_hack_scores_zero_on_every_function_test_problem(family):
 
 
 def in_process_check(code: str, tests: dict, timeout: float = sandbox.CODE_TIMEOUT_S) -> bool:
-    """The harness rewards.py had before issue #17: solution, tests and check in one sandboxed
+    """The harness rewards.py had before the call server: solution, tests and check in one sandboxed
     process, which prints a nonce (read from stdin) only once check() has returned."""
     import secrets
 

@@ -368,7 +368,7 @@ def test_math_rewards_need_no_sandbox(tmp_path):
     assert res.returncode == 0 and res.stdout.strip() == "[1.0]", res.stderr[-2000:]
 
 
-# -- code: function tests checked outside the sandbox (issue #17; the hack families: test_reward_hacks.py) --
+# -- code: function tests checked outside the sandbox (the hack families: test_reward_hacks.py) --
 
 PLAIN = [None, True, 0, -2**200, 1.5, -0.0, float("inf"), float("-inf"), 1 + 2j, "é\ud800", b"\x00\xff",
          [1, (2, 3)], (1, [2]), {1, 2}, frozenset({(1, 2)}), {(1, 2): [3.0], "k": {frozenset(): b""}}, ((),)]

@@ -1,4 +1,4 @@
-"""No channel and no shared limit between sandboxes (issue #27).
+"""No channel and no shared limit between sandboxes.
 
 A response must be scored alone: nothing it leaves behind may reach a later sandbox, nothing it
 does may reach one running beside it, and what it holds (processes, disk) must not cut what
@@ -30,7 +30,7 @@ from rewards import compute_rewards
 from sandboxed import sandbox
 
 pytestmark = pytest.mark.skipif(not shutil.which("bwrap"), reason="bubblewrap's isolation is what is tested")
-# As root every sandbox has a uid of its own, and the controls give them all one (the sandbox before issue #27).
+# As root every sandbox has a uid of its own; the controls give them all one, as sandboxes had before.
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="a uid per sandbox is the root path")
 
 # The writer puts VALUE wherever it can; the reader looks for it everywhere; both print what they did.
@@ -269,7 +269,7 @@ def test_nothing_reaches_a_sandbox_running_beside_it():
 
 @as_root
 def test_the_keyring_carries_values_without_the_filter(probed, monkeypatch):
-    """The control: one uid for every sandbox and no seccomp filter (the sandbox before issue #27), and
+    """The control: one uid for every sandbox and no seccomp filter (the sandbox before both), and
     the keyring carries the value to a later sandbox. The reader empties the keyrings it used."""
     monkeypatch.setattr(sandbox, "REFUSED_SYSCALLS", ())
     one = sandbox.SANDBOX_UIDS.start + secrets.randbelow(len(sandbox.SANDBOX_UIDS))
@@ -348,7 +348,7 @@ def test_running_sandboxes_never_share_a_uid():
     probe.close()
 
 
-# -- the attacks of issue #27, on real problems ----------------------------------------------------
+# -- the copier and the oracle, on real problems -----------------------------------------------------
 
 # A program's note in the keyring (its uid's user-session keyring, which every process of the uid reaches):
 # one key per tag holding a table, kept within the kernel's quota of 200 keys and 20000 bytes per uid (a
@@ -542,7 +542,7 @@ def test_disk_use_is_bounded_per_sandbox():
     assert time.time() - t0 < 5
 
 
-# -- what sandboxes share: the host kernel's state of the files they all read (issue #33) ---------------
+# -- what sandboxes share: the host kernel's state of the files they all read ----------------------------
 # The programs are functions here, run in the sandbox from their source (ship): each channel's writer puts
 # BITS (a secret, as 0s and 1s) where a sibling could read them and prints them (a stdio answer that
 # scores); its reader prints what it read (a copier that scores only if the channel carried the answer).
