@@ -356,8 +356,9 @@ def recorded_args(run: Path, defaults: argparse.Namespace, required: tuple[str, 
     return argparse.Namespace(**{**vars(defaults), **recorded})
 
 
-def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> list[Path]:
-    """Checkpoints to resume from, newest first. The launch takes the directory's lock (rank 0: one lock
+def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> tuple[list[Path], dict]:
+    """(checkpoints to resume from, newest first; the flags a run older than them goes on with, as it was
+    trained: the caller applies them). The launch takes the directory's lock (rank 0: one lock
     per run, however many ranks and nodes share the directory), and refuses to mix two runs in one
     directory: this launch's identity (run_identity) is compared with the one recorded in the newest
     checkpoint, or in args.json for checkpoints that predate the record.
@@ -388,15 +389,16 @@ def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> list[Pa
         except (OSError, ValueError) as e:
             raise ValueError(f"{out_dir / 'args.json'} cannot be read as JSON ({first_line(e)}): repair or remove "
                              "it") from None
+    as_trained = {}
     if record is not None:
         for k, before in BEFORE_FLAG.items():  # a run older than the flag goes on as it was trained
             if k not in record and k not in getattr(args, "flags_given", ()) and getattr(args, k) != before:
-                setattr(args, k, before)
+                as_trained[k] = before
                 if int(os.environ.get("RANK", "0")) == 0:
                     print(f"[grpo] {where} predates --{k.replace('_', '-')}: it goes on with --{k.replace('_', '-')} "
                           f"{before}, as it was trained (docs/rewards.md)", flush=True)
         given = set(getattr(args, "flags_given", ()))
-        new = run_identity(vars(args))
+        new = run_identity({**vars(args), **as_trained})
         record, never, unless_resume = identity_changes(record, new, defaults)
         unless_resume = [k for k in unless_resume if k not in DEVICE_DEFAULTS or k in given]
         if never:
@@ -408,7 +410,7 @@ def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> list[Pa
     if args.resume and not checkpoints:
         raise ValueError(f"--resume: {out_dir} holds no checkpoint to resume from (no checkpoints/step_N); "
                          "drop --resume to start a run there, or check the directory")
-    return checkpoints
+    return checkpoints, as_trained
 
 
 # -----------------------------------------------------------------------------

@@ -269,14 +269,23 @@ def generate(llm, rows: list[dict], params: list) -> list:
 
 
 def to_rollouts(rows: list[dict], outputs: list) -> list[dict]:
-    """One record per sampled response, G consecutive per prompt; vLLM's token ids as returned."""
+    """One record per sampled response, G consecutive per prompt; every field the step uses, set here or
+    filled in later (None until then):
+
+        row, text, prompt_len, tokens (prompt + response ids, vLLM's as returned), length (response tokens),
+        truncated (stopped at --max-response-len), vllm_logp (the log-probs vLLM sampled with)
+        score, reward            2. reward: the verifier's score; with the overlong penalty
+        advantage                3. group advantages
+        old_logp, ref_logp       6. the engine's log-probs before the update (and the KL reference's)
+    """
     def sampled_logp(c) -> torch.Tensor | None:
         return torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) if c.logprobs else None
 
     return [
         {"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
          "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids),
-         "truncated": c.finish_reason == "length", "old_logp": None, "vllm_logp": sampled_logp(c)}
+         "truncated": c.finish_reason == "length", "vllm_logp": sampled_logp(c),
+         "score": None, "reward": None, "advantage": None, "old_logp": None, "ref_logp": None}
         for row, o in zip(rows, outputs) for c in o.outputs
     ]
 
@@ -844,18 +853,21 @@ def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, de
     return sums
 
 
-def memory_to_update(llm, engine, args, rank: int) -> None:
+def memory_to_update(llm, engine, args, rank: int) -> int | None:
     """CUDA, after the rollout: vLLM sleeps at level 2 (weights discarded, not copied to host: the sync
-    reloads them; its KV cache freed), and what is free then sizes the micro-batches (first step of a run;
-    a resumed run keeps the budget its first launch recorded, so --deterministic cuts the same ones)."""
+    reloads them; its KV cache freed); returns the micro-batches' token budget that the memory free then
+    gives, where the run has none yet (its first step; a resumed run keeps the budget its first launch
+    recorded, so --deterministic cuts the same ones)."""
     llm.sleep(level=2)
     torch.cuda.empty_cache()
-    if args.micro_batch_tokens is None:
-        args.micro_batch_tokens, model = measured_budget(engine, args, args.max_prompt_len + args.max_response_len)
-        if rank == 0:
-            print(f"[grpo] micro-batches of up to {args.micro_batch_tokens} tokens (--micro-batch-tokens; "
-                  f"{model['per_token'] / 2**20:.2f} MiB a token, {model['fixed'] / 2**30:.1f} GiB fixed: "
-                  "memory_model)", flush=True)
+    if args.micro_batch_tokens is not None:
+        return None
+    budget, model = measured_budget(engine, args, args.max_prompt_len + args.max_response_len)
+    if rank == 0:
+        print(f"[grpo] micro-batches of up to {budget} tokens (--micro-batch-tokens; "
+              f"{model['per_token'] / 2**20:.2f} MiB a token, {model['fixed'] / 2**30:.1f} GiB fixed: "
+              "memory_model)", flush=True)
+    return budget
 
 
 def measured_budget(engine, args, longest: int) -> tuple[int, dict[str, float]]:
@@ -972,11 +984,11 @@ def checked_launch(argv: list[str] | None) -> tuple[argparse.Namespace, int, dic
         check_args(args, world, POLICY_LOSS_DEFAULTS[args.policy_loss], OFFLINE_DEFAULTS)
         ds_config = deepspeed_config(args, world)
         defaults = vars(parse_args(["--model", args.model]))  # what a run predating a flag was trained with
-        checkpoints = check_output_dir(args, Path(args.output_dir), world, defaults)
+        checkpoints, as_trained = check_output_dir(args, Path(args.output_dir), world, defaults)
         check_jit_cache(ds_config, int(os.environ.get("LOCAL_RANK", "0")))
     except ValueError as e:
         sys.exit(f"train_grpo.py: error: {e}")
-    return args, world, ds_config, checkpoints
+    return argparse.Namespace(**{**vars(args), **as_trained}), world, ds_config, checkpoints
 
 
 def init_distributed(out_dir: Path, checkpoints: list[Path], world: int) -> tuple[int, int]:
@@ -1353,8 +1365,8 @@ def main(argv: list[str] | None = None) -> None:
         # 1-2. rollout and reward: this rank's share of the step's prompts, G scored responses each
         rollouts, order, sampling = sample_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
                                                 lambda text: bar.set_postfix_str(text, refresh=True))
-        if cuda:
-            memory_to_update(llm, engine, args, rank)
+        if cuda and (budget := memory_to_update(llm, engine, args, rank)) is not None:
+            args.micro_batch_tokens = budget  # --micro-batch-tokens, measured: recorded with the checkpoints
 
         # 3. advantages within each group
         adv = advantages(torch.tensor([r["reward"] for r in rollouts], dtype=torch.float64), args)

@@ -163,9 +163,10 @@ def check_args(args, world: int) -> None:
 
 
 def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
-    """grpo_run.check_output_dir with the trainer's defaults for this --model, as checked_launch calls it."""
+    """grpo_run.check_output_dir's checkpoints, with the trainer's defaults for this --model, as checked_launch
+    calls it."""
     import grpo_run
     import train_grpo
 
     defaults = vars(train_grpo.parse_args(["--model", args.model]))
-    return grpo_run.check_output_dir(args, out_dir, world, defaults)
+    return grpo_run.check_output_dir(args, out_dir, world, defaults)[0]

@@ -2,6 +2,7 @@
 line that states the rule, before any engine starts; run directories are never lost or rewritten by a
 launch that trains nothing. No engine starts in this file (the quick tier)."""
 
+import argparse
 import json
 import os
 import re
@@ -531,7 +532,9 @@ def test_checkpoints_carry_the_run_identity(tmp_path):
 def test_a_run_older_than_code_reward_goes_on_with_the_fraction_it_was_trained_with(tmp_path, capsys):
     def check(run, *flags):
         args = train_grpo.parse_args(["--output-dir", str(run), *flags])
-        return args, check_output_dir(args, run, 1)
+        defaults = vars(train_grpo.parse_args(["--model", args.model]))
+        checkpoints, as_trained = grpo_run.check_output_dir(args, run, 1, defaults)
+        return argparse.Namespace(**{**vars(args), **as_trained}), checkpoints  # as checked_launch goes on
 
     run = tmp_path / "run"
     checkpointed_run(run, steps=2)

@@ -922,7 +922,7 @@ def test_a_sandbox_dies_first_when_the_host_runs_short():
 
 
 def test_the_start_up_line_names_the_bound():
-    line = subprocess.run([sys.executable, "-c", "import rewards; sandbox.sandbox_mode()"], cwd=ROOT,
+    line = subprocess.run([sys.executable, "-c", "from sandboxed import sandbox; sandbox.sandbox_mode()"], cwd=ROOT,
                           capture_output=True, text=True).stderr
     kind, _ = sandbox._memory_bound()
     assert line.count("\n") == 1 and f"at most {sandbox.CODE_MEMORY_BYTES >> 30} GiB" in line, line
