@@ -17,7 +17,7 @@ params = marshal.loads(bytes.fromhex(sys.argv[1]))
 def bound():
     with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")
-    for fd in params["cgroup"]:  # a descriptor of the sandbox's cgroup.procs, handed over by the scorer
+    for fd in params["cgroup"]:  # the sandbox's cgroup (its cgroup.procs, or v1's tasks: this one thread)
         os.write(fd, b"0")
         os.close(fd)
 

@@ -475,13 +475,12 @@ def _sweep_tmpfs() -> None:
 # children touching 1 GiB each held 6 GiB of the host. Where the scorer can make cgroups (root, with a writable
 # v2 hierarchy whose parent delegates memory and pids, or v1's memory hierarchy), each sandbox gets one:
 # CODE_MEMORY_BYTES of memory in all, no swap, and in v2 CODE_MAX_PROCS processes (in v1 the per-sandbox uid's
-# RLIMIT_NPROC counts them already, and joining a second hierarchy would cost a sandbox start one more RCU grace
-# period, about 5 ms). Past the memory, the sandbox fails as a whole: v2 kills all of it (memory.oom.group); v1,
-# which cannot, stops it (its OOM killer off) until the deadline kills it. Elsewhere a watchdog thread of the
-# scorer sums the resident memory of the sandbox's processes every WATCHDOG_S and kills the sandbox past the
-# budget (a bound by polling: what is allocated within one interval can pass it). Every sandboxed process is the
-# OOM killer's first choice on the host (oom_score_adj 1000, sandboxed/limit.py): if memory runs short, a
-# response dies, never the trainer.
+# RLIMIT_NPROC counts them already). Past the memory, the sandbox fails as a whole: v2 kills all of it
+# (memory.oom.group); v1, which cannot, stops it (its OOM killer off) until the deadline kills it. Elsewhere a
+# watchdog thread of the scorer sums the resident memory of the sandbox's processes every WATCHDOG_S and kills
+# the sandbox past the budget (a bound by polling: what is allocated within one interval can pass it). Every
+# sandboxed process is the OOM killer's first choice on the host (oom_score_adj 1000, sandboxed/limit.py): if
+# memory runs short, a response dies, never the trainer.
 _CGROUP_NAME = "balanced-grpo-sandboxes"
 WATCHDOG_S = 0.01
 _bound: tuple[str, list[str]] | None = None
@@ -595,7 +594,11 @@ def _sandbox_cgroup(uid: int) -> Iterator[list[int]]:
             except FileNotFoundError:  # no swap accounting: keep its pages out of swap instead
                 _write(dirs[0], "memory.swappiness", "0")
             _write(dirs[0], "memory.oom_control", "1")
-        fds = [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in dirs]
+        # v1: its `tasks` file, which moves the one thread that writes "0" to it without the thread-group lock
+        # whose write side waits an RCU grace period (0.03 ms against 5 ms a start here); the sandbox's first
+        # process has one thread then. v2 moves whole processes only.
+        joined = "cgroup.procs" if kind == "cgroup2" else "tasks"
+        fds = [os.open(os.path.join(d, joined), os.O_WRONLY) for d in dirs]
     except OSError as e:
         for fd in fds:
             os.close(fd)
