@@ -249,6 +249,7 @@ def test_nothing_reaches_a_later_sandbox():
     assert report(out_r, "found")[1] == set(), out_r
 
 
+@pytest.mark.slow  # it holds a sandbox for seconds (the quick tier stays under 3 minutes)
 def test_nothing_reaches_a_sandbox_running_beside_it():
     value, tag = fresh()
     outs = {}
@@ -514,6 +515,7 @@ THREADED = ("```python\nimport time\nfrom concurrent.futures import ThreadPoolEx
             "    print(sum(pool.map(lambda i: i * i, range(n))))\n```")
 
 
+@pytest.mark.slow  # it holds a sandbox for seconds (the quick tier stays under 3 minutes)
 def test_a_neighbour_holding_its_processes_takes_none_from_the_others():
     hog = {}
     thread = threading.Thread(target=lambda: hog.update(out=sandbox.run_sandboxed(HOG, timeout=10)[1]))
@@ -620,6 +622,7 @@ def test_a_lock_copier_scores_nothing_beside_the_sibling_that_solved_it(clean_ma
     assert compute_rewards(responses, tests, ["code"] * 2, num_workers=2) == [1.0, 0.0]
 
 
+@pytest.mark.slow  # it holds a sandbox for seconds (the quick tier stays under 3 minutes)
 def test_locks_carry_the_answer_without_the_filter(probed, monkeypatch):
     """The control: without the rules on shared state, the copier reads the writer's locks and scores."""
     monkeypatch.setattr(sandbox, "SHARED_STATE_RULES", ())
@@ -905,12 +908,13 @@ def test_a_greedy_response_holds_its_budget_at_most_and_scores_nothing(clean_mac
 
 def test_the_watchdog_bounds_it_where_no_cgroup_can(probed, monkeypatch):
     """The fallback without cgroups: the watchdog kills the sandbox once its processes together pass the
-    budget (by polling, so with some slack)."""
+    budget. It polls, from a thread that the six children compete with for the cores, so the bound has
+    slack: up to 1 GiB over it here, where the same program with no bound held 4.8 GiB."""
     monkeypatch.setattr(sandbox, "_bound", ("watchdog", []))
     program = GREEDY.removeprefix("```python\n").removesuffix("```") + "print(add(2, 3))\n"
     (rc, out, _), held = least_available_while(lambda: sandbox.run_sandboxed(program, timeout=10))
     assert (rc, out) == (-9, "")
-    assert held < sandbox.CODE_MEMORY_BYTES + (512 << 20), held >> 20
+    assert held < sandbox.CODE_MEMORY_BYTES + (1 << 30), held >> 20
     assert sandbox.run_sandboxed("print(2 + 3)", timeout=10)[:2] == (0, "5\n")  # within it, as before
 
 
