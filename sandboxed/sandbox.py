@@ -455,11 +455,10 @@ def _sweep_tmpfs() -> None:
         return
     leftovers = [(name, functools.partial(_unmount_dir, os.path.join(_TMPFS_ROOT, name)))
                  for name in (os.listdir(_TMPFS_ROOT) if os.path.isdir(_TMPFS_ROOT) else ())]
-    kind, bases = _memory_bound()
-    if kind.startswith("cgroup"):
-        names = {name for base in bases for name in os.listdir(base) if name.isdigit()}
-        leftovers += [("cgroup-" + name, functools.partial(_remove_cgroup, [os.path.join(b, name) for b in bases]))
-                      for name in names]
+    kind, base = _memory_bound()
+    if base is not None:
+        leftovers += [("cgroup-" + name, functools.partial(_remove_cgroup, os.path.join(base, name)))
+                      for name in os.listdir(base) if name.isdigit()]
     for name, action in leftovers:
         try:
             claim = _claim_dir(name)
@@ -483,75 +482,63 @@ def _sweep_tmpfs() -> None:
 # memory runs short, a response dies, never the trainer.
 _CGROUP_NAME = "balanced-grpo-sandboxes"
 WATCHDOG_S = 0.01
-_bound: tuple[str, list[str]] | None = None
+_bound: tuple[str, str | None] | None = None
 
 
-def _cgroup_dirs(version: int) -> list[str]:
-    """This process's cgroup directory in v2's hierarchy, or in v1's memory one ([] where not mounted)."""
-    own = {}
+def _own_cgroup(version: int) -> str | None:
+    """This process's cgroup directory in v2's hierarchy, or in v1's memory one (None where not mounted)."""
+    controller = "" if version == 2 else "memory"
+    own = None
     with open("/proc/self/cgroup") as f:
         for line in f:
             _, names, path = line.rstrip("\n").split(":", 2)
-            for name in names.split(",") if names else [""]:
-                own[name] = path
-    mounts = {}
+            if controller in (names.split(",") if names else [""]):
+                own = path
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields, _, fs = line.rstrip("\n").partition(" - ")
             root, point = fields.split()[3:5]
             fstype, _, options = fs.split()
-            if fstype == "cgroup2" and version == 2:
-                mounts[""] = (root, point)
-            elif fstype == "cgroup" and version == 1:
-                if "memory" in options.split(","):
-                    mounts["memory"] = (root, point)
-    dirs = []
-    for name in [""] if version == 2 else ["memory"]:
-        if name not in mounts or name not in own:
-            return []
-        root, point = mounts[name]
-        rel = os.path.relpath(own[name], root)
-        if rel.startswith(".."):
-            return []
-        dirs.append(os.path.normpath(os.path.join(point, rel)))
-    return dirs
+            if own is not None and fstype == ("cgroup2" if version == 2 else "cgroup") and (
+                    version == 2 or controller in options.split(",")):
+                rel = os.path.relpath(own, root)
+                return None if rel.startswith("..") else os.path.normpath(os.path.join(point, rel))
+    return None
 
 
-def _cgroup_bases() -> tuple[str, list[str]] | None:
+def _cgroup_base() -> tuple[str, str] | None:
     """Where the sandboxes' cgroups are made: v2 beside this process's cgroup (its parent must delegate memory
     and pids; a cgroup holding processes cannot), else v1 under this process's own; None where neither can."""
     for version in (2, 1):
-        dirs = _cgroup_dirs(version)
-        if not dirs:
+        own = _own_cgroup(version)
+        if own is None:
             continue
         if version == 2:
             # the root cgroup (no cgroup.type) may hold processes and delegate; any other must be the parent
-            parent = os.path.dirname(dirs[0]) if os.path.exists(os.path.join(dirs[0], "cgroup.type")) else dirs[0]
+            own = os.path.dirname(own) if os.path.exists(os.path.join(own, "cgroup.type")) else own
             try:
-                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                with open(os.path.join(own, "cgroup.subtree_control")) as f:
                     if not {"memory", "pids"} <= set(f.read().split()):
                         continue
             except OSError:
                 continue
-            dirs = [parent]
-        bases = [os.path.join(d, _CGROUP_NAME) for d in dirs]
+        base = os.path.join(own, _CGROUP_NAME)
         try:
-            for base in bases:
-                os.makedirs(base, exist_ok=True)
+            os.makedirs(base, exist_ok=True)
             if version == 2:
-                _write(bases[0], "cgroup.subtree_control", "+memory +pids")
+                _write(base, "cgroup.subtree_control", "+memory +pids")
         except OSError:
             continue
-        return f"cgroup{version}", bases
+        return f"cgroup{version}", base
     return None
 
 
-def _memory_bound() -> tuple[str, list[str]]:
-    """("cgroup2" or "cgroup1", the sandboxes' cgroup bases) or ("watchdog", []), decided once per scorer."""
+def _memory_bound() -> tuple[str, str | None]:
+    """("cgroup2" or "cgroup1", the sandboxes' cgroup base) or ("watchdog", None), decided once per scorer."""
     global _bound
     if _bound is None:
-        found = _cgroup_bases() if os.geteuid() == 0 else None
-        _bound = found or ("watchdog", [])
+        found = _cgroup_base() if os.geteuid() == 0 else None
+        _bound = found or ("watchdog", None)
     return _bound
 
 
@@ -563,87 +550,75 @@ def _write(directory: str, name: str, value: str) -> None:
 @contextlib.contextmanager
 def _sandbox_cgroup(uid: int) -> Iterator[list[int]]:
     """The cgroup of the sandbox holding `uid` (as root every running sandbox has its own uid), its limits
-    written; yields a descriptor of each cgroup.procs, which the sandbox's first process writes itself into
+    written; yields [a descriptor to join it], which the sandbox's first process writes itself into
     (sandboxed/limit.py) before it runs anything else: whatever it starts later is counted there. Afterwards
     everything left in it is killed, and the cgroup is removed once empty (by the cleaner thread). [] where
     the bound is the watchdog's."""
-    kind, bases = _memory_bound()
-    if uid < 0 or not kind.startswith("cgroup"):
+    kind, base = _memory_bound()
+    if uid < 0 or base is None:
         yield []
         return
     try:
         claim = _claim_dir(f"cgroup-{uid}", wait=CODE_TIMEOUT_S)
     except OSError:
         raise SandboxUnavailable(f"the sandbox cgroup {uid} is not given back") from None
-    dirs = [os.path.join(base, str(uid)) for base in bases]
-    fds = []
+    path = os.path.join(base, str(uid))
     try:
-        for d in dirs:
-            os.makedirs(d, exist_ok=True)
-        _kill_cgroup(dirs)  # the directory is ours: whatever is left in it is a dead scorer's
+        os.makedirs(path, exist_ok=True)
+        _kill_cgroup(path)  # the directory is ours: whatever is left in it is a dead scorer's
         if kind == "cgroup2":
-            _write(dirs[0], "memory.max", str(CODE_MEMORY_BYTES))
+            _write(path, "memory.max", str(CODE_MEMORY_BYTES))
             with contextlib.suppress(FileNotFoundError):  # a kernel without swap accounting
-                _write(dirs[0], "memory.swap.max", "0")
-            _write(dirs[0], "memory.oom.group", "1")
-            _write(dirs[0], "pids.max", str(CODE_MAX_PROCS))
+                _write(path, "memory.swap.max", "0")
+            _write(path, "memory.oom.group", "1")
+            _write(path, "pids.max", str(CODE_MAX_PROCS))
         else:
-            _write(dirs[0], "memory.limit_in_bytes", str(CODE_MEMORY_BYTES))
+            _write(path, "memory.limit_in_bytes", str(CODE_MEMORY_BYTES))
             try:
-                _write(dirs[0], "memory.memsw.limit_in_bytes", str(CODE_MEMORY_BYTES))
+                _write(path, "memory.memsw.limit_in_bytes", str(CODE_MEMORY_BYTES))
             except FileNotFoundError:  # no swap accounting: keep its pages out of swap instead
-                _write(dirs[0], "memory.swappiness", "0")
-            _write(dirs[0], "memory.oom_control", "1")
+                _write(path, "memory.swappiness", "0")
+            _write(path, "memory.oom_control", "1")
         # v1: its `tasks` file, which moves the one thread that writes "0" to it without the thread-group lock
         # whose write side waits an RCU grace period (0.03 ms against 5 ms a start here); the sandbox's first
         # process has one thread then. v2 moves whole processes only.
-        joined = "cgroup.procs" if kind == "cgroup2" else "tasks"
-        fds = [os.open(os.path.join(d, joined), os.O_WRONLY) for d in dirs]
+        fd = os.open(os.path.join(path, "cgroup.procs" if kind == "cgroup2" else "tasks"), os.O_WRONLY)
     except OSError as e:
-        for fd in fds:
-            os.close(fd)
         claim.close()
-        raise SandboxUnavailable(f"cannot set up the sandbox cgroup {dirs[0]}: {e}") from None
+        raise SandboxUnavailable(f"cannot set up the sandbox cgroup {path}: {e}") from None
     try:
-        yield fds
+        yield [fd]
     finally:
-        for fd in fds:
-            os.close(fd)
-        _kill_cgroup(dirs)
-        _cleanups.put((functools.partial(_remove_cgroup, dirs), claim))
+        os.close(fd)
+        _kill_cgroup(path)
+        _cleanups.put((functools.partial(_remove_cgroup, path), claim))
         _start_cleaner()
 
 
-def _cgroup_pids(d: str) -> list[int]:
+def _kill_cgroup(path: str) -> None:
     try:
-        with open(os.path.join(d, "cgroup.procs")) as f:
-            return [int(x) for x in f.read().split()]
+        _write(path, "cgroup.kill", "1")  # v2, Linux 5.14 on: all of it, at once
     except OSError:
-        return []
+        with contextlib.suppress(OSError):
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(x) for x in f.read().split()]
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
 
 
-def _kill_cgroup(dirs: list[str]) -> None:
-    try:
-        _write(dirs[0], "cgroup.kill", "1")  # v2, Linux 5.14 on: all of it, at once
-    except OSError:
-        for pid in _cgroup_pids(dirs[0]):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _remove_cgroup(dirs: list[str], wait: float = 5.0) -> None:
+def _remove_cgroup(path: str, wait: float = 5.0) -> None:
     """rmdir, once the killed processes have left (a moment after SIGKILL)."""
     deadline = time.monotonic() + wait
-    for d in dirs:
-        while os.path.isdir(d):
-            try:
-                os.rmdir(d)
-            except OSError:
-                if time.monotonic() > deadline:
-                    log.warning("sandbox cgroup %s is still busy; left for the next scorer", d)
-                    return
-                _kill_cgroup([d])
-                time.sleep(0.005)
+    while os.path.isdir(path):
+        try:
+            os.rmdir(path)
+        except OSError:
+            if time.monotonic() > deadline:
+                log.warning("sandbox cgroup %s is still busy; left for the next scorer", path)
+                return
+            _kill_cgroup(path)
+            time.sleep(0.005)
 
 
 def _sandbox_tree(pid: int) -> list[int]:

@@ -95,8 +95,8 @@ def clean_machine():
 
 def sandbox_cgroups() -> list[str]:
     """The cgroups of the test run's sandboxes still there."""
-    kind, bases = sandbox._memory_bound()
-    return [os.path.join(base, name) for base in bases for name in os.listdir(base)
+    _, base = sandbox._memory_bound()
+    return [os.path.join(base, name) for name in (os.listdir(base) if base else ())
             if name.isdigit() and int(name) in sandbox.SANDBOX_UIDS]
 
 

@@ -910,7 +910,7 @@ def test_the_watchdog_bounds_it_where_no_cgroup_can(probed, monkeypatch):
     """The fallback without cgroups: the watchdog kills the sandbox once its processes together pass the
     budget. It polls, from a thread that the six children compete with for the cores, so the bound has
     slack: up to 1 GiB over it here, where the same program with no bound held 4.8 GiB."""
-    monkeypatch.setattr(sandbox, "_bound", ("watchdog", []))
+    monkeypatch.setattr(sandbox, "_bound", ("watchdog", None))
     program = GREEDY.removeprefix("```python\n").removesuffix("```") + "print(add(2, 3))\n"
     (rc, out, _), held = least_available_while(lambda: sandbox.run_sandboxed(program, timeout=10))
     assert (rc, out) == (-9, "")
