@@ -768,8 +768,14 @@ def test_the_page_cache_carries_the_answer_without_the_filter(probed, monkeypatc
         (writer_, reader_), tests = cache_pair(secret_bits())
         assert [rewards.score_code(writer_, tests), rewards.score_code(reader_, tests)] == [1.0, 0.0]
     monkeypatch.setattr(sandbox, "_root", False)  # the host's directories, as an unprivileged scorer has them
-    (writer_, reader_), tests = cache_pair(secret_bits())
-    assert [rewards.score_code(writer_, tests), rewards.score_code(reader_, tests)] == [1.0, 1.0]
+
+    def copied() -> list[float]:
+        (writer_, reader_), tests = cache_pair(secret_bits())
+        return [rewards.score_code(writer_, tests), rewards.score_code(reader_, tests)]
+
+    # Now and then the kernel caches a read's neighbour page too (a large folio): 2 of 40 pairs read one wrong
+    # bit, each next to a set one. The control asks whether the channel carries an answer: up to 3 pairs.
+    assert any(copied() == [1.0, 1.0] for _ in range(3))
 
 
 def evictions() -> None:
