@@ -405,8 +405,9 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
     for agg, group in by_agg.items():
         per_step = defaultdict(list)
         for run in group:
+            recorded = run_args(run)
             for step, (r, L, n) in samples[run]:
-                per_step[step].append((r, L, in_groups_of(run_args(run), n)))
+                per_step[step].append((r, L, in_groups_of(recorded, n)))
         for step, at_step in sorted(per_step.items()):
             acc = [float(r.mean()) for r, _, _ in at_step]
             mean_len = [float(L.double().mean()) for _, L, _ in at_step]
