@@ -41,8 +41,18 @@ LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
 def deepspeed_run(nproc: int, script: str, *args: str, port: int = 29611, timeout: int = 600, env=None):
-    """Run `deepspeed --num_gpus nproc script args` on the CPU accelerator; returns CompletedProcess."""
-    cmd = [*LAUNCHER, "--num_gpus", str(nproc), "--master_port", str(port), script, *args]
+    """Run `deepspeed --num_gpus nproc script args` on the CPU accelerator; returns CompletedProcess.
+
+    It starts DeepSpeed's per-node launcher (deepspeed.launcher.launch) with the world the runner would
+    encode for one node, as the runner does: the runner's own start (an import of DeepSpeed, 2 s a launch)
+    is left to the tests that launch through the `deepspeed` script and LAUNCHER (crash safety, the lab,
+    the GPU check)."""
+    import base64
+    import json
+
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+           "--master_addr=127.0.0.1", f"--master_port={port}", script, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -164,12 +164,21 @@ def test_seeds_of_one_setting_are_averaged(tmp_path):
     assert set(group_runs([*runs, str(dr)])) == {"seq", "token", "dr-grpo no-std-norm"}
 
 
-@pytest.mark.slow
-def test_killed_evaluation_resumes(fake_run, demo_dir, tmp_path):
-    ckpt = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def evaluated(demo_dir, tmp_path_factory) -> Path:
+    """A copy of the demo model evaluated by one process (its cache in eval/): the result the tests below
+    resume and shard against."""
+    ckpt = tmp_path_factory.mktemp("evaluated") / "model"
     shutil.copytree(demo_dir / "model", ckpt, ignore=NO_EVAL)
-    first = evaluate("--model", str(ckpt), *COMMON)
-    assert first.returncode == 0, first.stderr[-3000:]
+    res = evaluate("--model", str(ckpt), *COMMON, "--data-parallel-size", "1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return ckpt
+
+
+@pytest.mark.slow
+def test_killed_evaluation_resumes(evaluated, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(evaluated, ckpt)
     cache = next((ckpt / "eval").iterdir())
     full = json.loads((cache / "results.json").read_text())["results"]
     # simulate a kill: no results, demo-test samples cut after two problems and half a line
@@ -214,14 +223,12 @@ def test_code_benchmark_without_bubblewrap_fails_in_one_line(demo_dir, tmp_path,
 
 
 @pytest.mark.slow
-def test_data_parallel_shards_merge_to_the_one_process_result(demo_dir, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    for d in (one, two):
-        shutil.copytree(demo_dir / "model", d, ignore=NO_EVAL)
-    a = evaluate("--model", str(one), *COMMON, "--data-parallel-size", "1")
+def test_data_parallel_shards_merge_to_the_one_process_result(evaluated, demo_dir, tmp_path):
+    two = tmp_path / "two"
+    shutil.copytree(demo_dir / "model", two, ignore=NO_EVAL)
     b = evaluate("--model", str(two), *COMMON, "--data-parallel-size", "2")  # two engines, one process each
-    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
-    cache_a, cache_b = next((one / "eval").iterdir()), next((two / "eval").iterdir())
+    assert b.returncode == 0, b.stderr[-2000:]
+    cache_a, cache_b = next((evaluated / "eval").iterdir()), next((two / "eval").iterdir())
     assert cache_a.name == cache_b.name  # the cache does not depend on the sharding
     merged = json.loads((cache_b / "results.json").read_text())["results"]
     assert merged == json.loads((cache_a / "results.json").read_text())["results"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import ROOT, cpu_env
 
+from grpo_run import jit_extensions_dir
 from train_grpo import deepspeed_config, linear_warmup, parse_args
 
 FLAGS = ["--model", "demo", "--prompts-per-step", "8", "--group-size", "4", "--minibatches", "2",
@@ -47,7 +48,10 @@ print(json.dumps({"types": [str(t) for t in engine.get_data_types()], "comm": st
 def test_deepspeed_zero3_takes_the_bf16_config(demo_dir):
     # the CUDA configuration, optimizer included: torch's fused AdamW, no JIT-built FusedAdam
     cfg = deepspeed_config(parse_args(FLAGS), world=1, bf16=True)
-    env = cpu_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29655")
+    # DeepSpeed's CPU collectives op from this install's own build folder, as the trainer takes it: torch's
+    # shared default is rebuilt (25 s) whenever another install built it last
+    env = cpu_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29655",
+                  TORCH_EXTENSIONS_DIR=jit_extensions_dir())
     res = subprocess.run([sys.executable, "-c", ZERO3_BF16, str(demo_dir / "model"), json.dumps(cfg)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
