@@ -105,7 +105,8 @@ LAB_DEFAULTS = {**DEMO_DEFAULTS, "max_response_len": 48, "save_interval": 10, "o
 
 
 OFFLINE_DEFAULTS = {"demo": DEMO_DEFAULTS, **{t: LAB_DEFAULTS for t in ("lab", "lab-nogap", "lab-nogap-hi", "lab-check",
-                                                                        "lab-check-nogap")}}
+                                                                        "lab-check-nogap")},
+                    "lab-check-long": {**LAB_DEFAULTS, "max_response_len": 96}}  # loops of up to ~80 tokens
 
 
 # the aggregation rules (aggregation_weights) and each policy loss's published defaults (policy_loss_per_token),

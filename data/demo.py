@@ -23,6 +23,9 @@ rewards.py's math reward like any real task. They differ in how they answer:
               every success needs. Warm-up: check first 60%, then answer (right) or loop, 50/50.
   lab-check-nogap  its control: the same decisions and answers, but a loop is two checks, so
               failures are no longer than successes (no sign-length coupling).
+  lab-check-long  the same decisions and answers, but a loop makes 30 to 70 checks: failures ~3.5x
+              as long as successes (lab-check: ~1.6x). With the control and lab-check, the three gap
+              levels of the token vs balanced factorial (docs/lab.md, "The paper's contrast").
 
 The warm-up is deliberately imperfect: supervised targets are the right sum only with
 probability `P_CORRECT[task]`, otherwise wrong (off by one in the demo, the first operand in the lab).
@@ -56,21 +59,24 @@ import torch
 
 from data.templates import render_prompt
 
-TASKS = ("demo", "lab", "lab-nogap", "lab-nogap-hi", "lab-check", "lab-check-nogap")
+TASKS = ("demo", "lab", "lab-nogap", "lab-nogap-hi", "lab-check", "lab-check-nogap", "lab-check-long")
 SHIPPED = Path(__file__).resolve().parent / "offline"
 ROOT = Path(os.environ.get("GRPO_DEMO_DIR", Path(__file__).resolve().parent.parent / ".cache" / "offline"))
 MAX_OPERAND = 49
 P_CORRECT = {"demo": 0.3, "lab": 0.3, "lab-nogap": 0.3, "lab-nogap-hi": 0.95}
 P_CHECK, P_STOP = 0.6, 0.5  # lab-check(-nogap): check first, then answer (right) or loop; right 0.3
-CHECK_LOOP = {"lab-check": (2, 26), "lab-check-nogap": (2, 2)}  # the checks a loop makes
+# the checks a loop makes (lab-check-long: failures ~3.5x as long as successes, lab-check ~1.6x, the control 1x)
+CHECK_LOOP = {"lab-check": (2, 26), "lab-check-nogap": (2, 2), "lab-check-long": (30, 70)}
 P_SHORT = 0.3  # the share of short rambles (lab: the right answers; the controls: an independent draw)
 RAMBLE_SHORT, RAMBLE_LONG = (1, 10), (6, 30)  # k ramble tokens before the answer (lab)
 SFT_STEPS = {"demo": 1500, "lab": 400, "lab-nogap": 1500, "lab-nogap-hi": 2000, "lab-check": 600,
-             "lab-check-nogap": 600}
+             "lab-check-nogap": 600, "lab-check-long": 600}
 SFT_BATCH, SFT_LR = 128, 2e-3
-WARM_START = {"lab": "demo", "lab-nogap-hi": "lab-nogap", "lab-check": "demo", "lab-check-nogap": "demo"}
+WARM_START = {"lab": "demo", "lab-nogap-hi": "lab-nogap", "lab-check": "demo", "lab-check-nogap": "demo",
+              "lab-check-long": "demo"}
 # built on a shipped policy (its tokenizer too), with these words added to its vocabulary
-NEW_WORDS = {"lab": (" so", " wait"), "lab-check": (" check",), "lab-check-nogap": (" check",)}
+NEW_WORDS = {"lab": (" so", " wait"), "lab-check": (" check",), "lab-check-nogap": (" check",),
+             "lab-check-long": (" check",)}
 SEED = 1234
 
 

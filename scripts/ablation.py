@@ -52,12 +52,12 @@ def train_args(model: str, agg: str, loss: str, seed: int, run: Path, extra: lis
             "--eval-dataset", "", *RULE_ARGS.get(agg, []), *extra]
 
 
-def rule_args(model: str, agg: str) -> argparse.Namespace:
-    """The trainer's arguments of this ablation's run of `agg` on `model` (parsed by the trainer itself):
-    what a prediction assumes where no run has recorded them."""
+def rule_args(model: str, agg: str, extra: list[str] | None = None) -> argparse.Namespace:
+    """The trainer's arguments of this ablation's run of `agg` on `model` with the trainer flags `extra` (parsed
+    by the trainer itself): what a prediction assumes where no run has recorded them."""
     import train_grpo
 
-    return train_grpo.parse_args(train_args(model, agg, "ppo", 1, Path("prediction"), []))
+    return train_grpo.parse_args(train_args(model, agg, "ppo", 1, Path("prediction"), extra or []))
 
 
 def finished(run: Path) -> bool:

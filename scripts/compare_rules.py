@@ -3,6 +3,7 @@ and a test declared before the runs (docs/lab.md, "Can the coupling cost accurac
 
     python -m scripts.compare_rules --predict lab-check          # before any run: each rule's first-step gain
     python -m scripts.compare_rules runs/compare-lab-check       # after: the paired comparison, per seed
+    python -m scripts.compare_rules --factorial runs/factorial   # token vs balanced x the failures' length gap
 
 The prediction. On the initial policy, sample steps of 32 prompts x G=8 (the lab's), weigh them by
 each rule (train_grpo.aggregation_weights; on-policy every policy loss's token term has the gradient
@@ -17,6 +18,12 @@ length must agree). The measure, declared before the runs: the area under the tr
 curve, the mean of `reward/accuracy` over steps 1..T (the run's --steps). Per seed s and rule a,
 d_s = M(a, s) - M(reference, s); a two-sided paired t-test on the d_s (n - 1 degrees of freedom), with
 Holm's correction over the rules compared with the reference.
+
+The factorial (docs/lab.md, "The paper's contrast"). token and balanced on the three lab-check tasks that
+differ only in how long a failed loop is: GAPS. Per seed s and gap g, d_g(s) = M(token, s) - M(balanced, s);
+the primary test is the difference-in-differences D(s) = d_long(s) - d_none(s), a two-sided paired t-test
+(seeds pair the runs within each gap), alpha 0.05, with its 95% CI and an equivalence test (TOST, the two
+one-sided tests at 0.05) against the declared margin MARGIN, so that "no difference" can be a result.
 """
 
 from __future__ import annotations
@@ -39,6 +46,13 @@ ROOT = Path(__file__).resolve().parent.parent  # the project's root
 # constant that Adam divides out up to the gradient clip.
 RULES = [a for a in AGGS if a != "seq-sum"]  # the trainer's rules, in its order
 REFERENCE = "balanced"  # the paper's rule: every other rule is tested against it
+
+# The factorial: the failure-length gap's levels, as the offline task that has each (data/demo.py, CHECK_LOOP:
+# a failed loop of 2 checks, 2-26, 30-70; failures 1x, ~1.6x, ~3.5x as long as successes), and the
+# equivalence margin of its primary test, in AUC points (declared with the design, before any run).
+GAPS = {"none": "lab-check-nogap", "middle": "lab-check", "long": "lab-check-long"}
+FACTORIAL_RULES = ("token", REFERENCE)
+MARGIN = {"AUC": 0.5, "J": 1.0}  # the primary measure's, and the last checkpoint's held-out J (secondary)
 
 
 # -----------------------------------------------------------------------------
@@ -172,7 +186,10 @@ def gain(model, tok, task: str, pairs: list, update: dict[str, torch.Tensor], ba
     return {k: 1000 * (after[k] - base[k]) for k in base}
 
 
-def predict(task: str, steps: int, seed: int = 0, post_hoc: bool = False) -> None:
+def predict(task: str, steps: int, seed: int = 0, steady: bool = False, extra: tuple[str, ...] = ()) -> None:
+    """Print each rule's expected gain in J from one update at the initial policy, for the runs the ablation
+    trains on `task` with the trainer arguments `extra`: Adam's first step, and with `steady` also the
+    update of moments averaged over the sampled steps."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.demo import TASKS, model_dir, split_pairs
@@ -186,7 +203,7 @@ def predict(task: str, steps: int, seed: int = 0, post_hoc: bool = False) -> Non
     train_pairs, test_pairs = split_pairs()
     base = success_probability(model, tok, task, test_pairs)
     gen = torch.Generator().manual_seed(seed)
-    args = {agg: rule_args(task, agg) for agg in RULES}  # each rule's run, as the ablation trains it
+    args = {agg: rule_args(task, agg, list(extra)) for agg in RULES}  # each rule's run, as the ablation trains it
     sampling = args[REFERENCE]  # how every rule's run samples (the rules differ in the update only)
     rollouts = []
     for _ in range(steps):
@@ -210,15 +227,15 @@ def predict(task: str, steps: int, seed: int = 0, post_hoc: bool = False) -> Non
         se = (sum((g["J"] - m["J"]) ** 2 for g in gains) / max(1, len(gains) - 1) / len(gains)) ** 0.5
         print(f"| {agg} | {m['J']:+.2f} ± {se:.2f} | {m['check_first']:+.2f} | {m['answer_after_check']:+.2f} | "
               f"{m['J'] / ref:.2f} |")
-    if post_hoc:  # written after the runs: not part of the prediction (docs/lab.md says why it was added)
-        steady = {agg: gain(model, tok, task, test_pairs, steady_step(grads[agg], args[agg]), base) for agg in RULES}
-        print(f"\nPost hoc: one update of Adam with moments averaged over the {len(grads[REFERENCE])} steps' "
+    if steady:  # lab-check: added after its runs (docs/lab.md says why); the factorial: declared before them
+        after = {agg: gain(model, tok, task, test_pairs, steady_step(grads[agg], args[agg]), base) for agg in RULES}
+        print(f"\nSteady: one update of Adam with moments averaged over the {len(grads[REFERENCE])} steps' "
               "gradients, lr E[g] / sqrt(E[g^2]) (x1000)\n")
         print("| rule | gain in J | check first | answer after one check | relative to balanced |\n"
               "|---|---|---|---|---|")
-        for agg, g in steady.items():
+        for agg, g in after.items():
             print(f"| {agg} | {g['J']:+.2f} | {g['check_first']:+.2f} | {g['answer_after_check']:+.2f} | "
-                  f"{g['J'] / steady[REFERENCE]['J']:.2f} |")
+                  f"{g['J'] / after[REFERENCE]['J']:.2f} |")
 
 
 # -----------------------------------------------------------------------------
@@ -248,8 +265,39 @@ def holm(ps: list[float]) -> list[float]:
     return out
 
 
-def run_table(runs_dir: Path) -> dict[str, dict[int, Path]]:
-    """The directory's runs as {rule: {seed: run}}; one line if it holds none of the comparison's."""
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with df degrees of freedom."""
+    import mpmath
+
+    tail = 0.5 * float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
+    return 1 - tail if t >= 0 else tail
+
+
+def t_quantile(q: float, df: int) -> float:
+    """The q-quantile of Student's t (0 < q < 1)."""
+    import mpmath
+
+    return float(mpmath.findroot(lambda x: t_cdf(float(x), df) - q, 0.0 if q == 0.5 else 2.0 * (q - 0.5) / 0.45))
+
+
+def paired(d: list[float], margin: float) -> dict[str, float]:
+    """The paired test of the differences d: mean, sd, Cohen's d_z (mean / sd), t and two-sided p, the 95%
+    CI, and TOST against +-margin: p_tost, the larger of the two one-sided p values (equivalence at 0.05
+    when below it: the 90% CI inside (-margin, margin))."""
+    n, mean = len(d), sum(d) / len(d)
+    sd = (sum((x - mean) ** 2 for x in d) / (n - 1)) ** 0.5
+    se, df = sd / n**0.5, n - 1
+    t, p = t_test(d)
+    half = t_quantile(0.975, df) * se
+    p_tost = max(1 - t_cdf((mean + margin) / se, df), t_cdf((mean - margin) / se, df)) if se > 0 else \
+        float(abs(mean) >= margin)
+    return {"n": n, "mean": mean, "sd": sd, "dz": mean / sd if sd > 0 else math.copysign(math.inf, mean),
+            "t": t, "p": p, "lo": mean - half, "hi": mean + half, "p_tost": p_tost}
+
+
+def run_table(runs_dir: Path, model: str | None = None) -> dict[str, dict[int, Path]]:
+    """The directory's runs (of `model`, if given) as {rule: {seed: run}}; one line if it holds none of the
+    comparison's."""
     from grpo_run import first_line
 
     out: dict[str, dict[int, Path]] = {}
@@ -262,10 +310,11 @@ def run_table(runs_dir: Path) -> dict[str, dict[int, Path]]:
             if (run / "args.json").exists():
                 raise ValueError(f"{run / 'args.json'}: {first_line(e)}") from None
             continue
-        if a.get("policy_loss", "ppo") == "ppo" and a.get("agg") in RULES:
+        if a.get("policy_loss", "ppo") == "ppo" and a.get("agg") in RULES and model in (None, a.get("model")):
             out.setdefault(a["agg"], {})[a["seed"]] = run
     if not out:
-        raise ValueError(f"{runs_dir}: no runs of {', '.join(RULES)} in it (ablation.py --aggs ... --out {runs_dir})")
+        raise ValueError(f"{runs_dir}: no runs of {', '.join(RULES)}{f' on {model}' if model else ''} in it "
+                         f"(ablation.py --aggs ... --out {runs_dir})")
     return out
 
 
@@ -276,12 +325,11 @@ def training_curve(run: Path) -> dict[int, dict]:
     return {s: m for s, m in rows.items() if "reward/accuracy" in m}
 
 
-def compare(runs_dir: Path) -> str:
-    """The paired comparison as markdown: per seed and rule the declared measure (AUC, the mean training
-    accuracy over steps 1..T), the late accuracy (steps T-4..T), and the tests against REFERENCE."""
-    table = run_table(runs_dir)
-    rules = [r for r in RULES if r in table]
-    seeds = sorted(set.intersection(*(set(v) for v in table.values())))
+def paired_curves(runs_dir: Path, table: dict[str, dict[int, Path]], rules: list[str]
+                  ) -> tuple[list[int], dict[tuple[str, int], dict[int, dict]], int]:
+    """The seeds every rule ran, each (rule, seed)'s training curve and the runs' --steps T; one line if
+    the runs are not finished, not of one length or not paired."""
+    seeds = sorted(set.intersection(*(set(table[a]) for a in rules)))
     if len(seeds) < 2:
         raise ValueError(f"{runs_dir}: fewer than 2 seeds shared by every rule ({', '.join(rules)}); "
                          "a paired test needs at least 2")
@@ -302,6 +350,15 @@ def compare(runs_dir: Path) -> str:
         if len(first) != 1:
             raise ValueError(f"seed {s}: step 1's rollouts differ across rules ({sorted(first)}); the runs are "
                              "not paired (the same --seed and settings but the rule)")
+    return seeds, curves, T
+
+
+def compare(runs_dir: Path) -> str:
+    """The paired comparison as markdown: per seed and rule the declared measure (AUC, the mean training
+    accuracy over steps 1..T), the late accuracy (steps T-4..T), and the tests against REFERENCE."""
+    table = run_table(runs_dir)
+    rules = [r for r in RULES if r in table]
+    seeds, curves, T = paired_curves(runs_dir, table, rules)
     auc = {k: 100 * sum(c[t]["reward/accuracy"] for t in range(1, T + 1)) / T for k, c in curves.items()}
     late = {k: 100 * sum(c[t]["reward/accuracy"] for t in range(T - 4, T + 1)) / 5 for k, c in curves.items()}
     length = {k: sum(c[t]["length/mean"] for t in range(T - 4, T + 1)) / 5 for k, c in curves.items()}
@@ -346,6 +403,89 @@ def compare(runs_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def last_checkpoint_J(run: Path, task: str) -> float:
+    """The held-out J (%) of the run's last checkpoint, exact (success_probability)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data.demo import split_pairs
+    from evaluate import run_checkpoints
+
+    _, ckpt = run_checkpoints(str(run))[-1]
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    return 100 * success_probability(model, tok, task, split_pairs()[1])["J"]
+
+
+def factorial(runs_dir: Path, last_J=last_checkpoint_J) -> str:
+    """The factorial's report as markdown: per gap, seed and rule the AUC and the last checkpoint's J; per gap
+    the paired difference d = token - balanced; then the declared tests on the difference-in-differences
+    D = d_gap - d_none per seed (long, the primary test; middle, secondary), with 95% CIs and TOST."""
+    rules = list(FACTORIAL_RULES)
+    tables = {gap: run_table(runs_dir, task) for gap, task in GAPS.items()}
+    seeds = sorted(set().union(*(set(t.get(a, {})) for t in tables.values() for a in rules)))
+    for gap, task in GAPS.items():  # every cell runs every seed: none is dropped from the test unsaid
+        for a in rules:
+            if missing := [s for s in seeds if s not in tables[gap].get(a, {})]:
+                raise ValueError(f"{runs_dir}: {task}: no {a} run of seed {missing[0]} (every cell runs every seed; "
+                                 "the same ablation.py command trains it)")
+    measures: dict[str, dict[tuple[str, str, int], float]] = {"AUC": {}, "J": {}}
+    coupling: dict[tuple[str, str, int], tuple[float, float]] = {}  # the pg loss and neg-pos gap, steps 1-5
+    steps = set()
+    for gap, task in GAPS.items():
+        _, curves, T = paired_curves(runs_dir, tables[gap], rules)
+        steps.add(T)
+        for (a, s), c in curves.items():
+            measures["AUC"][(gap, a, s)] = 100 * sum(c[t]["reward/accuracy"] for t in range(1, T + 1)) / T
+            measures["J"][(gap, a, s)] = last_J(tables[gap][a][s], task)
+            first = range(1, min(5, T) + 1)
+            coupling[(gap, a, s)] = tuple(sum(c[t][k] for t in first) / len(first)
+                                          for k in ("loss/pg", "length/pos_neg_gap"))
+    if len(steps) != 1:
+        raise ValueError(f"{runs_dir}: the gaps' runs differ in --steps ({sorted(steps)}); the factorial compares "
+                         "runs of one length")
+    from scripts.length_drift import mean_std as ms
+
+    T = steps.pop()
+    levels = ", ".join(f"{g}: {t}" for g, t in GAPS.items())
+    lines = [f"factorial: {', '.join(rules)} x the failures' length gap ({levels}), {len(seeds)} paired seeds "
+             f"({', '.join(map(str, seeds))}), {T} steps; AUC = mean training accuracy "
+             f"over steps 1-{T} (%), the declared measure; J = the last checkpoint's held-out probability of a right "
+             "answer (%), exact\n",
+             "| gap | rule | " + " | ".join(f"AUC s{s}" for s in seeds) + " | AUC | J, last | pg loss, steps 1-5 | "
+             "neg-pos gap, steps 1-5 |", "|---|---|" + "---|" * (len(seeds) + 4)]
+    for gap in GAPS:
+        for a in rules:
+            auc = [measures["AUC"][(gap, a, s)] for s in seeds]
+            lines.append(f"| {gap} | {a} | " + " | ".join(f"{x:.1f}" for x in auc) + f" | {ms(auc)} | "
+                         f"{ms([measures['J'][(gap, a, s)] for s in seeds])} | "
+                         f"{ms([coupling[(gap, a, s)][0] for s in seeds], 4)} | "
+                         f"{ms([coupling[(gap, a, s)][1] for s in seeds])} |")
+    d = {(m, gap): [v[(gap, rules[0], s)] - v[(gap, rules[1], s)] for s in seeds]
+         for m, v in measures.items() for gap in GAPS}
+    lines += ["", f"Per gap, d = {rules[0]} - {rules[1]} per seed (what the declared tests below contrast)\n",
+              "| measure | gap | d per seed | mean d | d_z |", "|---|---|---|---|---|"]
+    for (m, gap), x in d.items():
+        r = paired(x, MARGIN[m])
+        lines.append(f"| {m} | {gap} | {' '.join(f'{v:+.1f}' for v in x)} | {r['mean']:+.2f} | {r['dz']:+.2f} |")
+    # the primary test (AUC, long - none) alone at 0.05; the three secondary ones with Holm's correction
+    tests = {(m, gap): paired([a - b for a, b in zip(d[(m, gap)], d[(m, "none")])], MARGIN[m])
+             for m in measures for gap in ("long", "middle")}
+    secondary = [k for k in tests if k != ("AUC", "long")]
+    adjusted = dict(zip(secondary, holm([tests[k]["p"] for k in secondary]), strict=True))
+    lines += ["", "The declared tests: D = d(gap) - d(none) per seed, two-sided paired t-test, alpha 0.05; the "
+              "primary is AUC, long - none (its p as it is), the three others are secondary (p Holm-adjusted over "
+              "them); 95% CI; for the primary, TOST against the declared margin (equivalence where its p < 0.05)\n",
+              "| measure | contrast | D per seed | mean D | 95% CI | d_z | t | p | margin | TOST p |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for (m, gap), r in tests.items():
+        D = [a - b for a, b in zip(d[(m, gap)], d[(m, "none")])]
+        p = f"{r['p']:.3f}" if (m, gap) == ("AUC", "long") else f"{adjusted[(m, gap)]:.3f} (Holm)"
+        lines.append(f"| {m} | {gap} - none | {' '.join(f'{v:+.1f}' for v in D)} | {r['mean']:+.2f} | "
+                     f"[{r['lo']:+.2f}, {r['hi']:+.2f}] | {r['dz']:+.2f} | {r['t']:+.2f} | {p} | "
+                     + (f"± {MARGIN[m]} | {r['p_tost']:.3f} |" if (m, gap) == ("AUC", "long") else "- | - |"))
+    return "\n".join(lines)
+
+
 def mechanism(table: dict, rules: list[str], seeds: list[int], task: str) -> str:
     """J and the two decisions at every checkpoint, exact on the held-out prompts (success_probability):
     what each rule did to the check that successes need (mean ± std over seeds)."""
@@ -385,15 +525,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="?", help="an ablation.py --out directory of the comparison's runs")
     p.add_argument("--predict", metavar="TASK", help="the first-step prediction on an offline lab-check policy")
+    p.add_argument("--factorial", metavar="DIR", help="the token vs balanced x gap factorial's runs (GAPS)")
     p.add_argument("--steps", type=int, default=12, help="with --predict: rollout steps sampled")
-    p.add_argument("--post-hoc", action="store_true", help="with --predict: also the steady-state Adam update "
-                   "(added after the runs)")
-    args = p.parse_args()
-    if (args.runs is None) == (args.predict is None):
-        p.error("give a runs directory or --predict TASK")
+    p.add_argument("--steady", action="store_true", help="with --predict: also the steady-state Adam update "
+                   "(lab-check: added after its runs; the factorial: declared before them)")
+    argv = sys.argv[1:]
+    train_extra = argv[argv.index("--") + 1 :] if "--" in argv else []  # with --predict: the runs' trainer flags
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if sum(x is not None for x in (args.runs, args.predict, args.factorial)) != 1:
+        p.error("give one of: a runs directory, --predict TASK, --factorial DIR")
     try:
         if args.predict:
-            predict(args.predict, args.steps, post_hoc=args.post_hoc)
+            predict(args.predict, args.steps, steady=args.steady, extra=tuple(train_extra))
+        elif args.factorial:
+            print(factorial(Path(args.factorial)))
         else:
             print(compare(Path(args.runs)))
     except ValueError as e:

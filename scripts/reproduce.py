@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent  # the project's root
 RESULTS = ROOT / "docs" / "results.md"
 PY = sys.executable
 SEEDS5 = ["1", "2", "3", "4", "5"]
+FACTORIAL_SEEDS = [str(s) for s in range(11, 23)]  # 12 seeds no earlier experiment ran
+FACTORIAL_FLAGS = ["--steps", "30", "--save-interval", "10", "--max-response-len", "96"]  # every cell alike
 COMPARE_RULES, LENGTH_DRIFT = "scripts.compare_rules", "scripts.length_drift"  # the tables' modules
 COMPARE = compare_rules.RULES
 
@@ -46,6 +48,18 @@ EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         [["--model", "lab-check-nogap", "--aggs", *COMPARE, "--seeds", *SEEDS5, "--no-eval",
           "--out", "runs/compare-lab-check-nogap", "--", "--steps", "30", "--save-interval", "10"]],
         [[COMPARE_RULES, "--predict", "lab-check-nogap"], [COMPARE_RULES, "runs/compare-lab-check-nogap"]],
+    ),
+    "factorial-prediction": (
+        "The factorial's prediction, before its runs: each gap's first-step and steady gains",
+        [],
+        [[COMPARE_RULES, "--predict", task, "--steady", "--", *FACTORIAL_FLAGS[-2:]]
+         for task in compare_rules.GAPS.values()],
+    ),
+    "factorial": (
+        "The paper's contrast: token vs balanced x the failures' length gap (none, middle, long), 12 paired seeds",
+        [["--model", task, "--aggs", *compare_rules.FACTORIAL_RULES, "--seeds", *FACTORIAL_SEEDS, "--no-eval",
+          "--out", "runs/factorial", "--", *FACTORIAL_FLAGS] for task in compare_rules.GAPS.values()],
+        [[COMPARE_RULES, "--factorial", "runs/factorial"]],
     ),
     "lab": (
         "The aggregation lab: every rule x 3 seeds, 40 steps, Acc@8 of every checkpoint (Table 1's layout)",
@@ -98,14 +112,23 @@ def table_output(cmd: list[str]) -> str:
     return "\n".join(x for x in res.stdout.splitlines() if not x.startswith(("Loading weights", "figure:"))).strip()
 
 
+def short(commit: str) -> str:
+    return commit[:10] + ("+dirty" if commit.endswith("+dirty") else "")
+
+
 def section(name: str) -> str:
     what, ablations, tables = EXPERIMENTS[name]
-    commits = run_commits(tables)
+    if ablations:
+        commits = run_commits(tables)
+        made = f"Runs trained at commit{'s' if len(commits) > 1 else ''} {', '.join(map(short, commits)) or '-'}"
+    else:  # a prediction: computed from the shipped policies by the code of this commit
+        from scripts.ablation import code_commit
+
+        made = f"Computed at commit {short(code_commit())}, no runs"
     out = [f"<!-- section {name} -->", f"## {name}: {what}", "",
-           f"Runs trained at commit{'s' if len(commits) > 1 else ''} "
-           f"{', '.join(c[:10] + ('+dirty' if c.endswith('+dirty') else '') for c in commits) or '-'}; "
-           f"regenerate with `python -m scripts.reproduce {name}`.", "", "```bash",
-           *(f"python -m scripts.ablation {' '.join(a)}" for a in ablations), "```", ""]
+           f"{made}; regenerate with `python -m scripts.reproduce {name}`.", "",
+           *(["```bash", *(f"python -m scripts.ablation {' '.join(a)}" for a in ablations), "```", ""]
+             if ablations else [])]
     for cmd in tables:
         label = f"python -m {' '.join(cmd)}" if cmd[0] != "evaluate_table" else f"{cmd[1]}/eval_table.md (evaluate.py)"
         out += [f"`{label}`", "", table_output(cmd), ""]

@@ -316,7 +316,7 @@ def test_evaluate_refuses_a_checkpoint_without_its_tokenizer(tmp_path):
     assert not (tmp_path / "s.jsonl").exists()
 
 
-@pytest.mark.slow  # seven tool processes, each importing torch and the trainer: about 20 s
+@pytest.mark.slow  # eight tool processes, each importing torch and the trainer: about 20 s
 def test_ablation_checks_every_argument_before_the_first_run(tmp_path):
     out = ["--out", str(tmp_path / "abl")]
     one_line_error(run("scripts.ablation", "--nproc", "0", *out), "--nproc must be at least 1")
@@ -324,6 +324,7 @@ def test_ablation_checks_every_argument_before_the_first_run(tmp_path):
     one_line_error(run("scripts.ablation", "--eval-args", "--n 0", *out), "--n must be at least 1")
     one_line_error(run("scripts.ablation", *out, "--", "--no-std-norm"), "the ablation's dr-grpo already sets it")
     one_line_error(run("scripts.compare_rules", str(tmp_path / "abl")), "no such directory")
+    one_line_error(run("scripts.compare_rules", "--factorial", str(tmp_path / "abl")), "no such directory")
     for task in ("lab", "nope"):
         one_line_error(run("scripts.compare_rules", "--predict", task),
                        "knows the right responses of the lab-check tasks")

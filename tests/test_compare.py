@@ -142,3 +142,52 @@ def test_reproduce_rewrites_only_the_sections_asked_for_with_their_runs_commits(
     again = (tmp_path / "results.md").read_text()
     assert "| two | 3 ± 0 |" in again and "| two | 2 ± 0 |" not in again and "| seq | 1.0 ± 0.1 |" in again
     assert again.count("<!-- section one -->") == 1 and again.count("<!-- section two -->") == 1
+
+
+@pytest.mark.parametrize("d,margin", [([0.4, -0.2, 1.1, 0.3, 0.9], 0.5), ([-0.1, 0.05, 0.1, -0.02], 0.5),
+                                      ([2.0, 2.5, 1.5], 1.0)])
+def test_the_factorials_ci_and_equivalence_test_follow_the_t_distribution(d, margin):
+    r = C.paired(d, margin)
+    n, se = len(d), r["sd"] / math.sqrt(len(d))
+    q = C.t_quantile(0.975, n - 1)
+    assert t_sf_numeric(q, n - 1) == pytest.approx(0.05, abs=1e-6)  # the 95% CI's half-width is q se
+    assert (r["lo"], r["hi"]) == pytest.approx((r["mean"] - q * se, r["mean"] + q * se))
+    one_sided = lambda t: t_sf_numeric(t, n - 1) / 2 if t > 0 else 1 - t_sf_numeric(t, n - 1) / 2  # noqa: E731
+    assert r["p_tost"] == pytest.approx(max(one_sided((r["mean"] + margin) / se), one_sided((margin - r["mean"]) / se)),
+                                        abs=1e-6)
+    # equivalence at 0.05 exactly when the 90% CI lies inside the margin
+    q90 = C.t_quantile(0.95, n - 1)
+    assert (r["p_tost"] < 0.05) == (abs(r["mean"]) + q90 * se < margin)
+    assert r["dz"] == pytest.approx(r["mean"] / r["sd"])
+
+
+def test_factorial_reports_the_difference_in_differences_per_seed(tmp_path):
+    """token - balanced per seed within each gap, then D = d(gap) - d(none): the declared test's numbers."""
+    cost = {"none": 0.0, "middle": 0.02, "long": 0.05}  # what token loses against balanced, times the seed
+    aucs = {}
+    for gap, task in C.GAPS.items():
+        for agg in C.FACTORIAL_RULES:
+            for seed in (1, 2, 3):
+                late = 0.5 + 0.1 * seed - (0.01 + cost[gap] * seed) * (agg == "token")
+                run = tmp_path / f"{task}-{agg}-s{seed}"
+                run.mkdir()
+                (run / "args.json").write_text(json.dumps({"agg": agg, "seed": seed, "policy_loss": "ppo",
+                                                           "model": task, "steps": 3}))
+                rows = [{"step": 0}] + [{"step": t, "reward/accuracy": [0.3, late, late][t - 1], "length/mean": 10.0,
+                                         "length/pos_neg_gap": 5.0, "loss/pg": 0.1} for t in (1, 2, 3)]
+                (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+                aucs[(gap, agg, seed)] = 100 * (0.3 + 2 * late) / 3
+    out = C.factorial(tmp_path, last_J=lambda run, task: 50.0 + len(task) + 2 * run.name.count("token"))
+    d = {gap: [aucs[(gap, "token", s)] - aucs[(gap, "balanced", s)] for s in (1, 2, 3)] for gap in C.GAPS}
+    for gap in ("long", "middle"):
+        D = [a - b for a, b in zip(d[gap], d["none"])]
+        r = C.paired(D, C.MARGIN["AUC"])
+        assert r["mean"] < -1 and r["sd"] > 0
+        row = next(x for x in out.splitlines() if x.startswith(f"| AUC | {gap} - none |"))
+        assert " ".join(f"{v:+.1f}" for v in D) in row and f"{r['mean']:+.2f} | [{r['lo']:+.2f}, {r['hi']:+.2f}]" in row
+        assert (f"| {r['p']:.3f} | ± 0.5 | {r['p_tost']:.3f} |" if gap == "long" else "(Holm) | - | - |") in row
+    assert "| J | long - none | +0.0 +0.0 +0.0 | +0.00 |" in out  # J's token - balanced is 2 in every gap
+    assert "| J | none | +2.0 +2.0 +2.0 | +2.00 |" in out
+    (tmp_path / "lab-check-long-token-s3" / "args.json").unlink()  # a cell one seed short: not silently dropped
+    with pytest.raises(ValueError, match="lab-check-long: no token run of seed 3"):
+        C.factorial(tmp_path, last_J=lambda run, task: 0.0)

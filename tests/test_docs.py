@@ -45,5 +45,5 @@ def test_results_name_the_commit_of_every_section():
     sections = re.findall(r"<!-- section (\S+) -->(.*?)<!-- end \1 -->", text, re.S)
     assert sections
     for name, body in sections:
-        assert re.search(r"Runs trained at commits? [0-9a-f]{10}", body), name
+        assert re.search(r"(Runs trained|Computed) at commits? [0-9a-f]{10}", body), name
         assert "+dirty" not in body, f"{name}: runs trained from uncommitted code"

@@ -36,10 +36,10 @@ def test_warm_up_targets_couple_length_to_correctness_only_in_the_lab(task):
     assert demo.sft_response("demo", 3, 4, random.Random(0)) in (" \\boxed{7}", " \\boxed{6}", " \\boxed{8}")
 
 
-@pytest.mark.parametrize("task", ["lab-check", "lab-check-nogap"])
+@pytest.mark.parametrize("task", ["lab-check", "lab-check-nogap", "lab-check-long"])
 def test_check_targets_are_right_only_after_exactly_one_check(task):
     """lab-check: a right answer needs the one " check" the long failures repeat; its control makes a
-    loop two checks, so failures are no longer than successes."""
+    loop two checks, so failures are no longer than successes; lab-check-long makes it 30 to 70."""
     rng = random.Random(0)
     kinds, lengths = {"right": 0, "guess": 0, "loop": 0}, {"right": [], "wrong": []}
     for _ in range(4000):
@@ -53,13 +53,15 @@ def test_check_targets_are_right_only_after_exactly_one_check(task):
             assert text == f" check \\boxed{{{a + b}}}"
             kinds["right"] += 1
         else:
-            assert text == " check" * checks + f" \\boxed{{{a}}}" and checks <= (26 if task == "lab-check" else 2)
+            assert text == " check" * checks + f" \\boxed{{{a}}}"
+            assert demo.CHECK_LOOP[task][0] <= checks <= demo.CHECK_LOOP[task][1]
             kinds["loop"] += 1
         lengths["right" if checks == 1 else "wrong"].append(checks)
     assert kinds["right"] / 4000 == pytest.approx(0.3, abs=0.03)
     assert kinds["guess"] / 4000 == pytest.approx(0.4, abs=0.03)
     gap = sum(lengths["wrong"]) / len(lengths["wrong"]) - 1  # in check tokens; the answers differ by <= 1 token
-    assert gap > 4 if task == "lab-check" else abs(gap) < 0.5  # lab-check: (0.4 x 0 + 0.3 x 14) / 0.7 - 1 = 5
+    # in checks: lab-check (0.4 x 0 + 0.3 x 14) / 0.7 - 1 = 5, lab-check-long (0.3 x 50) / 0.7 - 1 = 20.4
+    assert {"lab-check": 4 < gap < 6, "lab-check-nogap": abs(gap) < 0.5, "lab-check-long": 19 < gap < 22}[task]
 
 
 def test_build_writes_a_policy_that_loads_with_single_token_rambles(tmp_path, monkeypatch):
