@@ -416,7 +416,43 @@ def last_checkpoint_J(run: Path, task: str) -> float:
     return 100 * success_probability(model, tok, task, split_pairs()[1])["J"]
 
 
-def factorial(runs_dir: Path, last_J=last_checkpoint_J) -> str:
+def plot_factorial(curves: dict[tuple[str, str, int], dict[int, dict]], rules: list[str], seeds: list[int], T: int,
+                   path: Path) -> None:
+    """Per gap: each rule's training accuracy over the steps, and token - balanced per step (mean ± sd over
+    the paired seeds, as bands)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def band(ax, rows: list[list[float]], color: str, label: str) -> None:
+        mean = [sum(r[k] for r in rows) / len(rows) for k in range(T)]
+        sd = [(sum((r[k] - mean[k]) ** 2 for r in rows) / max(1, len(rows) - 1)) ** 0.5 for k in range(T)]
+        x = list(range(1, T + 1))
+        ax.plot(x, mean, color=color, label=label)
+        ax.fill_between(x, [m - e for m, e in zip(mean, sd)], [m + e for m, e in zip(mean, sd)], color=color,
+                        alpha=0.15)
+
+    acc = {k: [100 * c[t]["reward/accuracy"] for t in range(1, T + 1)] for k, c in curves.items()}
+    fig, axes = plt.subplots(2, len(GAPS), figsize=(4.4 * len(GAPS), 6.4), sharex=True, squeeze=False)
+    for j, (gap, task) in enumerate(GAPS.items()):
+        for i, a in enumerate(rules):
+            band(axes[0][j], [acc[(gap, a, s)] for s in seeds], f"C{i}", a)
+        band(axes[1][j], [[x - y for x, y in zip(acc[(gap, rules[0], s)], acc[(gap, rules[1], s)])] for s in seeds],
+             "C2", f"{rules[0]} - {rules[1]}")
+        axes[0][j].set(title=f"{gap} gap ({task})", ylabel="training accuracy (%)")
+        axes[1][j].set(xlabel="step", ylabel=f"{rules[0]} - {rules[1]} (points)")
+        axes[1][j].axhline(0, color="grey", linewidth=0.8)
+    axes[0][0].legend(fontsize=8)
+    axes[1][0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"figure: {path}")
+
+
+def factorial(runs_dir: Path, last_J=last_checkpoint_J, figure: Path | None = None) -> str:
     """The factorial's report as markdown: per gap, seed and rule the AUC and the last checkpoint's J; per gap
     the paired difference d = token - balanced; then the declared tests on the difference-in-differences
     D = d_gap - d_none per seed (long, the primary test; middle, secondary), with 95% CIs and TOST."""
@@ -430,11 +466,13 @@ def factorial(runs_dir: Path, last_J=last_checkpoint_J) -> str:
                                  "the same ablation.py command trains it)")
     measures: dict[str, dict[tuple[str, str, int], float]] = {"AUC": {}, "J": {}}
     coupling: dict[tuple[str, str, int], tuple[float, float]] = {}  # the pg loss and neg-pos gap, steps 1-5
+    every: dict[tuple[str, str, int], dict[int, dict]] = {}
     steps = set()
     for gap, task in GAPS.items():
         _, curves, T = paired_curves(runs_dir, tables[gap], rules)
         steps.add(T)
         for (a, s), c in curves.items():
+            every[(gap, a, s)] = c
             measures["AUC"][(gap, a, s)] = 100 * sum(c[t]["reward/accuracy"] for t in range(1, T + 1)) / T
             measures["J"][(gap, a, s)] = last_J(tables[gap][a][s], task)
             first = range(1, min(5, T) + 1)
@@ -446,6 +484,8 @@ def factorial(runs_dir: Path, last_J=last_checkpoint_J) -> str:
     from scripts.length_drift import mean_std as ms
 
     T = steps.pop()
+    if figure is not None:
+        plot_factorial(every, rules, seeds, T, figure)
     levels = ", ".join(f"{g}: {t}" for g, t in GAPS.items())
     lines = [f"factorial: {', '.join(rules)} x the failures' length gap ({levels}), {len(seeds)} paired seeds "
              f"({', '.join(map(str, seeds))}), {T} steps; AUC = mean training accuracy "
@@ -526,6 +566,8 @@ def main() -> None:
     p.add_argument("runs", nargs="?", help="an ablation.py --out directory of the comparison's runs")
     p.add_argument("--predict", metavar="TASK", help="the first-step prediction on an offline lab-check policy")
     p.add_argument("--factorial", metavar="DIR", help="the token vs balanced x gap factorial's runs (GAPS)")
+    p.add_argument("--figure", metavar="PNG", help="with --factorial: training accuracy per gap and rule, and "
+                   "token - balanced, over the steps (seed bands)")
     p.add_argument("--steps", type=int, default=12, help="with --predict: rollout steps sampled")
     p.add_argument("--steady", action="store_true", help="with --predict: also the steady-state Adam update "
                    "(lab-check: added after its runs; the factorial: declared before them)")
@@ -538,7 +580,7 @@ def main() -> None:
         if args.predict:
             predict(args.predict, args.steps, steady=args.steady, extra=tuple(train_extra))
         elif args.factorial:
-            print(factorial(Path(args.factorial)))
+            print(factorial(Path(args.factorial), figure=Path(args.figure) if args.figure else None))
         else:
             print(compare(Path(args.runs)))
     except ValueError as e:

@@ -59,7 +59,7 @@ EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         "The paper's contrast: token vs balanced x the failures' length gap (none, middle, long), 12 paired seeds",
         [["--model", task, "--aggs", *compare_rules.FACTORIAL_RULES, "--seeds", *FACTORIAL_SEEDS, "--no-eval",
           "--out", "runs/factorial", "--", *FACTORIAL_FLAGS] for task in compare_rules.GAPS.values()],
-        [[COMPARE_RULES, "--factorial", "runs/factorial"]],
+        [[COMPARE_RULES, "--factorial", "runs/factorial", "--figure", "docs/factorial.png"]],
     ),
     "lab": (
         "The aggregation lab: every rule x 3 seeds, 40 steps, Acc@8 of every checkpoint (Table 1's layout)",

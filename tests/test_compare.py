@@ -177,7 +177,9 @@ def test_factorial_reports_the_difference_in_differences_per_seed(tmp_path):
                                          "length/pos_neg_gap": 5.0, "loss/pg": 0.1} for t in (1, 2, 3)]
                 (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
                 aucs[(gap, agg, seed)] = 100 * (0.3 + 2 * late) / 3
-    out = C.factorial(tmp_path, last_J=lambda run, task: 50.0 + len(task) + 2 * run.name.count("token"))
+    out = C.factorial(tmp_path, last_J=lambda run, task: 50.0 + len(task) + 2 * run.name.count("token"),
+                      figure=tmp_path / "factorial.png")
+    assert (tmp_path / "factorial.png").stat().st_size > 10_000
     d = {gap: [aucs[(gap, "token", s)] - aucs[(gap, "balanced", s)] for s in (1, 2, 3)] for gap in C.GAPS}
     for gap in ("long", "middle"):
         D = [a - b for a, b in zip(d[gap], d["none"])]
