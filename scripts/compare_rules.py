@@ -48,8 +48,8 @@ RULES = [a for a in AGGS if a != "seq-sum"]  # the trainer's rules, in its order
 REFERENCE = "balanced"  # the paper's rule: every other rule is tested against it
 
 # The factorial: the failure-length gap's levels, as the offline task that has each (data/demo.py, CHECK_LOOP:
-# a failed loop of 2 checks, 2-26, 30-70; failures 1x, ~1.6x, ~3.5x as long as successes), and the
-# equivalence margin of its primary test, in AUC points (declared with the design, before any run).
+# a failed loop of 2 checks, 2-26, 30-70; in the warm-up targets failures are 1x, ~1.6x, ~3.5x as long as
+# successes), and the equivalence margin of its primary test, in AUC points (declared before any run).
 GAPS = {"none": "lab-check-nogap", "middle": "lab-check", "long": "lab-check-long"}
 FACTORIAL_RULES = ("token", REFERENCE)
 MARGIN = {"AUC": 0.5, "J": 1.0}  # the primary measure's, and the last checkpoint's held-out J (secondary)
@@ -286,13 +286,16 @@ def paired(d: list[float], margin: float) -> dict[str, float]:
     when below it: the 90% CI inside (-margin, margin))."""
     n, mean = len(d), sum(d) / len(d)
     sd = (sum((x - mean) ** 2 for x in d) / (n - 1)) ** 0.5
+    if sd <= 1e-12 * max(1.0, abs(mean)):  # equal differences (up to rounding), as t_test takes them
+        sd = 0.0
     se, df = sd / n**0.5, n - 1
     t, p = t_test(d)
     half = t_quantile(0.975, df) * se
     p_tost = max(1 - t_cdf((mean + margin) / se, df), t_cdf((mean - margin) / se, df)) if se > 0 else \
         float(abs(mean) >= margin)
-    return {"n": n, "mean": mean, "sd": sd, "dz": mean / sd if sd > 0 else math.copysign(math.inf, mean),
-            "t": t, "p": p, "lo": mean - half, "hi": mean + half, "p_tost": p_tost}
+    dz = mean / sd if sd > 0 else (math.copysign(math.inf, mean) if mean else 0.0)
+    return {"n": n, "mean": mean, "sd": sd, "dz": dz, "t": t, "p": p, "lo": mean - half, "hi": mean + half,
+            "p_tost": p_tost}
 
 
 def run_table(runs_dir: Path, model: str | None = None) -> dict[str, dict[int, Path]]:
