@@ -406,17 +406,22 @@ def compare(runs_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def last_checkpoint_J(run: Path, task: str) -> float:
-    """The held-out J (%) of the run's last checkpoint, exact (success_probability)."""
+def checkpoint_decisions(ckpt: str, task: str) -> dict[str, float]:
+    """success_probability of a checkpoint on the 200 held-out prompts: J and the two decisions, exact."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.demo import split_pairs
-    from evaluate import run_checkpoints
 
-    _, ckpt = run_checkpoints(str(run))[-1]
     tok = AutoTokenizer.from_pretrained(ckpt)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    return 100 * success_probability(model, tok, task, split_pairs()[1])["J"]
+    return success_probability(model, tok, task, split_pairs()[1])
+
+
+def last_checkpoint_J(run: Path, task: str) -> float:
+    """The held-out J (%) of the run's last checkpoint."""
+    from evaluate import run_checkpoints
+
+    return 100 * checkpoint_decisions(run_checkpoints(str(run))[-1][1], task)["J"]
 
 
 def plot_factorial(curves: dict[tuple[str, str, int], dict[int, dict]], rules: list[str], seeds: list[int], T: int,
@@ -428,13 +433,7 @@ def plot_factorial(curves: dict[tuple[str, str, int], dict[int, dict]], rules: l
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def band(ax, rows: list[list[float]], color: str, label: str) -> None:
-        mean = [sum(r[k] for r in rows) / len(rows) for k in range(T)]
-        sd = [(sum((r[k] - mean[k]) ** 2 for r in rows) / max(1, len(rows) - 1)) ** 0.5 for k in range(T)]
-        x = list(range(1, T + 1))
-        ax.plot(x, mean, color=color, label=label)
-        ax.fill_between(x, [m - e for m, e in zip(mean, sd)], [m + e for m, e in zip(mean, sd)], color=color,
-                        alpha=0.15)
+    from scripts.length_drift import seed_band as band
 
     acc = {k: [100 * c[t]["reward/accuracy"] for t in range(1, T + 1)] for k, c in curves.items()}
     fig, axes = plt.subplots(2, len(GAPS), figsize=(4.4 * len(GAPS), 6.4), sharex=True, squeeze=False)
@@ -532,21 +531,15 @@ def factorial(runs_dir: Path, last_J=last_checkpoint_J, figure: Path | None = No
 def mechanism(table: dict, rules: list[str], seeds: list[int], task: str) -> str:
     """J and the two decisions at every checkpoint, exact on the held-out prompts (success_probability):
     what each rule did to the check that successes need (mean ± std over seeds)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from data.demo import split_pairs
     from evaluate import run_checkpoints
 
-    _, test_pairs = split_pairs()
     values: dict[tuple[str, int], list[dict]] = {}
     measured: dict[str, dict] = {}  # by checkpoint: step 0, the initial policy, is every run's
     for a in rules:
         for s in seeds:
             for step, ckpt in run_checkpoints(str(table[a][s])):
                 if ckpt not in measured:
-                    tok = AutoTokenizer.from_pretrained(ckpt)
-                    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-                    measured[ckpt] = success_probability(model, tok, task, test_pairs)
+                    measured[ckpt] = checkpoint_decisions(ckpt, task)
                 values.setdefault((a, step), []).append(measured[ckpt])
     steps = sorted({step for _, step in values})
     out = ["Held-out J (exact probability of a right answer, %) / check first / answer after one check, at each "

@@ -253,6 +253,16 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
         plot_summary(curves, list(tasks), figure)
 
 
+def seed_band(ax, runs: list[list[float]], color: str, label: str, style: str = "-") -> None:
+    """A per-step curve over seeds: its mean as a line, ± its sample std as a band (steps all runs have)."""
+    n = min(map(len, runs))
+    mean = [sum(r[k] for r in runs) / len(runs) for k in range(n)]
+    sd = [(sum((r[k] - mean[k]) ** 2 for r in runs) / max(1, len(runs) - 1)) ** 0.5 for k in range(n)]
+    x = list(range(1, n + 1))
+    ax.plot(x, mean, style, color=color, label=label)
+    ax.fill_between(x, [m - e for m, e in zip(mean, sd)], [m + e for m, e in zip(mean, sd)], color=color, alpha=0.12)
+
+
 def plot_summary(curves: dict, tasks: list[str], path: Path) -> None:
     """The lab's scale-free pg loss and every task's mean response length per step, mean ± std over seeds."""
     import matplotlib
@@ -264,14 +274,8 @@ def plot_summary(curves: dict, tasks: list[str], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
     for ax, (task, key) in zip(axes[0], panels):
         for i, ((agg, loss), runs) in enumerate(curves[(task, key)].items()):
-            n = min(map(len, runs))
-            mean = [sum(r[k] for r in runs) / len(runs) for k in range(n)]
-            sd = [(sum((r[k] - mean[k]) ** 2 for r in runs) / max(1, len(runs) - 1)) ** 0.5 for k in range(n)]
-            x = list(range(1, n + 1))
-            style = "--" if agg in ("dr-grpo", "seq-sum") else "-"
-            ax.plot(x, mean, style, color=f"C{i}", label=agg if loss == "ppo" else f"{agg}, {loss}")
-            ax.fill_between(x, [m - e for m, e in zip(mean, sd)], [m + e for m, e in zip(mean, sd)],
-                            color=f"C{i}", alpha=0.12)
+            seed_band(ax, runs, f"C{i}", agg if loss == "ppo" else f"{agg}, {loss}",
+                      "--" if agg in ("dr-grpo", "seq-sum") else "-")
         title = "pg loss / total token weight" if key == "loss/pg" else "mean response length (tokens)"
         ax.set(title=f"{task}: {title}", xlabel="step")
         if key == "loss/pg":

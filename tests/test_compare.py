@@ -193,3 +193,13 @@ def test_factorial_reports_the_difference_in_differences_per_seed(tmp_path):
     (tmp_path / "lab-check-long-token-s3" / "args.json").unlink()  # a cell one seed short: not silently dropped
     with pytest.raises(ValueError, match="lab-check-long: no token run of seed 3"):
         C.factorial(tmp_path, last_J=lambda run, task: 0.0)
+
+
+@pytest.mark.slow  # a forward pass over the 200 held-out prompts' 27 right answers each: about 6 s
+def test_a_checkpoints_decisions_are_the_predictions_baseline():
+    """J and the two decisions of a checkpoint on disk (what the factorial reads at each run's last one) are
+    what the prediction printed for the shipped lab-check policy (results.md: J 0.2871, 0.612, 0.488)."""
+    from data.demo import model_dir
+
+    m = C.checkpoint_decisions(model_dir("lab-check"), "lab-check")
+    assert (round(m["J"], 4), round(m["check_first"], 3), round(m["answer_after_check"], 3)) == (0.2871, 0.612, 0.488)
