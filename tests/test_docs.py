@@ -47,3 +47,15 @@ def test_results_name_the_commit_of_every_section():
     for name, body in sections:
         assert re.search(r"(Runs trained|Computed) at commits? [0-9a-f]{10}", body), name
         assert "+dirty" not in body, f"{name}: runs trained from uncommitted code"
+
+
+def test_the_factorials_report_quotes_results_rows_verbatim():
+    """docs/lab.md's tables of the factorial's differences and declared tests are rows of results.md's
+    factorial section: one digit changed in either fails."""
+    results = (ROOT / "docs" / "results.md").read_text()
+    section = results.split("<!-- section factorial -->")[1].split("<!-- end factorial -->")[0]
+    lab = (ROOT / "docs" / "lab.md").read_text()
+    report = lab.split("### What happened (runs at commit 09262e5")[1].split("**Against the prediction.**")[0]
+    rows = [x for x in report.splitlines() if x.startswith(("| AUC |", "| J |"))]
+    assert len(rows) == 7
+    assert all(row in section.splitlines() for row in rows)
