@@ -608,6 +608,14 @@ def resume_point(out_dir: Path, world: int) -> str:
     return f"the same command resumes the run from {ckpt} (step {int(ckpt.name[5:])})"
 
 
+def free_port() -> int:
+    """A port no process on this host listens on now, for a launch's rendezvous (two runs on one
+    host would otherwise meet on the launcher's default 29500, and one rank join the other's run)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # -----------------------------------------------------------------------------
 # Early ends in one line
 

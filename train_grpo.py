@@ -63,6 +63,7 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     damaged_shard,
     exit_without_teardown,
     first_line,
+    free_port,
     gpu_memory,
     installed_versions,
     jit_extensions_dir,
@@ -996,11 +997,7 @@ def init_distributed(out_dir: Path, checkpoints: list[Path], world: int) -> tupl
     """Join the launcher's process group (NCCL on CUDA, gloo on the CPU); (rank, local rank).
     Every rank must see the same run: the output directory is shared between nodes."""
     if "MASTER_PORT" not in os.environ:  # plain `python train_grpo.py` runs as one rank, on a free port
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
     import deepspeed

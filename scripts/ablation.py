@@ -113,7 +113,7 @@ def main() -> None:
     # every run's and the evaluation's arguments checked before the first run starts (argparse
     # errors exit here with their own one-line message)
     import evaluate
-    from grpo_run import check_args
+    from grpo_run import check_args, free_port
 
     settings = [(agg, loss) for loss in args.losses for agg in args.aggs]
     try:
@@ -139,7 +139,8 @@ def main() -> None:
             with open(out / f"{run.name}.commit", "a") as f:  # the code of every launch (a resume may differ)
                 f.write(code_commit() + "\n")
             # the trainer's own held-out evaluation is left to evaluate.py (every checkpoint, all seeds)
-            cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "train_grpo.py",
+            cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc),
+                   "--master_port", str(free_port()), "train_grpo.py",
                    *train_args(args.model, agg, loss, seed, run, train_extra)]
             with open(out / f"{run.name}.log", "a") as log:
                 rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode

@@ -40,20 +40,59 @@ def cpu_env(**extra: str) -> dict:
 LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
-def deepspeed_run(nproc: int, script: str, *args: str, port: int = 29611, timeout: int = 600, env=None):
-    """Run `deepspeed --num_gpus nproc script args` on the CPU accelerator; returns CompletedProcess.
+def deepspeed_run(nproc: int, script: str, *args: str, port: int = 29611, timeout: int = 600, env=None,
+                  module: bool = False):
+    """Run `deepspeed --num_gpus nproc [--module] script args` on the CPU accelerator; returns CompletedProcess.
 
-    It starts DeepSpeed's per-node launcher (deepspeed.launcher.launch) with the world the runner would
-    encode for one node, as the runner does: the runner's own start (an import of DeepSpeed, 2 s a launch)
-    is left to the tests that launch through the `deepspeed` script and LAUNCHER (crash safety, the lab,
-    the GPU check)."""
-    import base64
+    The ranks are forked, as DeepSpeed's per-node launcher would start them, from one server that
+    imported the stack once for the test run (tests/rank_server.py): about 8 s of CPU a rank saved on
+    every launch. Launches through the `deepspeed` script and LAUNCHER, fresh imports and all, are
+    the crash test's, the lab's ablation, the two-node test's and tests/gpu_check.sh's."""
     import json
+    import socket
+    import tempfile
 
-    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
-           "--master_addr=127.0.0.1", f"--master_port={port}", script, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
+    cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(port), *(["--module"] if module else []),
+           script, *args]  # what it stands for
+    with tempfile.TemporaryDirectory() as tmp, socket.socket(socket.AF_UNIX) as conn:
+        req = dict(script=script, module=module, args=list(args), nproc=nproc, port=port, cwd=str(ROOT),
+                   env=env or cpu_env(),
+                   stdout=f"{tmp}/stdout", stderr=f"{tmp}/stderr")
+        conn.connect(rank_server())
+        conn.sendall((json.dumps(req) + "\n").encode())
+        reply = conn.makefile()
+        pid = int(reply.readline())
+        conn.settimeout(timeout)
+        try:
+            code = int(reply.readline())
+        except TimeoutError:
+            os.killpg(pid, 9)
+            raise subprocess.TimeoutExpired(cmd, timeout) from None
+        read = lambda name: Path(tmp, name).read_text() if Path(tmp, name).exists() else ""  # noqa: E731
+        return subprocess.CompletedProcess(cmd, code, read("stdout"), read("stderr"))
+
+
+_RANK_SERVER: list = []
+
+
+def rank_server() -> str:
+    """The socket of the test run's rank server, started by the first launch (its imports: about 10 s)."""
+    if not _RANK_SERVER:
+        import atexit
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(prefix="ranks-"), "socket")
+        proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "rank_server.py"), path], cwd=ROOT,
+                                env=cpu_env(), stdin=subprocess.DEVNULL)
+        atexit.register(proc.kill)
+        _RANK_SERVER.append((proc, path))
+    proc, path = _RANK_SERVER[0]
+    deadline = time.time() + 300
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"tests/rank_server.py did not start (exit {proc.poll()})")
+        time.sleep(0.1)
+    return path
 
 
 @pytest.fixture(scope="session")

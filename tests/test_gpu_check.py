@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCHER, ROOT, cpu_env
+from conftest import ROOT, cpu_env, deepspeed_run
 
 from grpo_run import PINS, installed_versions, pin_mismatch
 
@@ -95,8 +95,7 @@ def test_update_path_without_vllm_resumes_exactly(tmp_path):
     """tests/update_check.py on 2 CPU ranks at a tiny shape: what test_gpu.py runs at Qwen2.5-1.5B's on CUDA."""
     flags = ["--shape", "tiny", "--out", str(tmp_path), "--prompts-per-rank", "2", "--prompt-len", "16",
              "--response-len", "48"]
-    res = subprocess.run([*LAUNCHER, "--num_gpus", "2", "--master_port", "29674", "tests/update_check.py", *flags],
-                         cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    res = deepspeed_run(2, "tests/update_check.py", *flags, port=29674)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for r in range(2):
         c = json.loads((tmp_path / f"update_check_rank{r}.json").read_text())
@@ -116,11 +115,9 @@ def test_update_path_without_vllm_resumes_exactly(tmp_path):
 @pytest.mark.slow
 def test_update_benchmark_prints_mfu_and_the_forward_only_batch_cuts_gathers(tmp_path):
     out = tmp_path / "update.json"
-    res = subprocess.run([*LAUNCHER, "--num_gpus", "2", "--master_port", "29675", "--module", "scripts.bench_step",
-                          "--update-only",
-                          "--shape", "tiny", "--force-release", "--peak-tflops", "0.5", "--update-responses", "16",
-                          "--prompt-len", "16", "--response-len", "48", "--repeats", "1", "--out", str(out)],
-                         cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    res = deepspeed_run(2, "scripts.bench_step", "--update-only", "--shape", "tiny", "--force-release", "--peak-tflops",
+                        "0.5", "--update-responses", "16", "--prompt-len", "16", "--response-len", "48", "--repeats",
+                        "1", "--out", str(out), port=29675, module=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] == pytest.approx(r["tflops"] / 0.5)

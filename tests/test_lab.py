@@ -6,6 +6,7 @@ read from the trainer's own metrics.jsonl on short runs at the lab's defaults.""
 
 import json
 import random
+import re
 import subprocess
 import sys
 
@@ -143,6 +144,9 @@ def test_ablation_writes_the_table_and_figures_and_resumes(ablation):
     for png in ("figure1_accuracy.png", "figure2_pg_loss.png", "figure3_length.png"):
         assert (out / png).stat().st_size > 10_000
     assert "[ablation] training" in res.stdout and "evaluation" in res.stdout
+    # each launch meets on a port of its own, not the launcher's default that another run on this host holds
+    ports = {re.search(r"master_port=(\d+)", (out / f"lab-{agg}-s1.log").read_text())[1] for agg in ("seq", "token")}
+    assert ports and "29500" not in ports, ports
     # the same command again: nothing is retrained or resampled
     again = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:]
