@@ -79,12 +79,13 @@ def rank_server() -> str:
     """The socket of the test run's rank server, started by the first launch (its imports: about 10 s)."""
     if not _RANK_SERVER:
         import atexit
+        import shutil
         import tempfile
 
         path = os.path.join(tempfile.mkdtemp(prefix="ranks-"), "socket")
         proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "rank_server.py"), path], cwd=ROOT,
                                 env=cpu_env(), stdin=subprocess.DEVNULL)
-        atexit.register(proc.kill)
+        atexit.register(lambda: (proc.kill(), shutil.rmtree(os.path.dirname(path), ignore_errors=True)))
         _RANK_SERVER.append((proc, path))
     proc, path = _RANK_SERVER[0]
     deadline = time.time() + 300

@@ -120,8 +120,14 @@ def serve(path: str) -> None:
     server.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # the client waits for the socket's name: it appears ready
     server.listen(1)
-    while True:
-        conn, _ = server.accept()
+    server.settimeout(2.0)
+    parent = os.getppid()
+    while os.getppid() == parent:  # the test run ended, killed or not: so does its server
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
         with conn:
             req = json.loads(conn.makefile().readline())
             pid = os.fork()
@@ -132,6 +138,8 @@ def serve(path: str) -> None:
             conn.sendall(f"{pid}\n".encode())
             _, status = os.waitpid(pid, 0)
             conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    os.unlink(path)
+    os.rmdir(os.path.dirname(path))
 
 
 if __name__ == "__main__":
