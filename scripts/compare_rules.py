@@ -280,6 +280,11 @@ def t_quantile(q: float, df: int) -> float:
     return float(mpmath.findroot(lambda x: t_cdf(float(x), df) - q, 0.0 if q == 0.5 else 2.0 * (q - 0.5) / 0.45))
 
 
+def p_text(p: float) -> str:
+    """A p value as the tables print it: three decimals, or its first significant digit below 0.001."""
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.1g}"
+
+
 def paired(d: list[float], margin: float) -> dict[str, float]:
     """The paired test of the differences d: mean, sd, Cohen's d_z (mean / sd), t and two-sided p, the 95%
     CI, and TOST against +-margin: p_tost, the larger of the two one-sided p values (equivalence at 0.05
@@ -521,10 +526,10 @@ def factorial(runs_dir: Path, last_J=last_checkpoint_J, figure: Path | None = No
               "|---|---|---|---|---|---|---|---|---|---|"]
     for (m, gap), r in tests.items():
         D = [a - b for a, b in zip(d[(m, gap)], d[(m, "none")])]
-        p = f"{r['p']:.3f}" if (m, gap) == ("AUC", "long") else f"{adjusted[(m, gap)]:.3f} (Holm)"
+        p = p_text(r["p"]) if (m, gap) == ("AUC", "long") else f"{p_text(adjusted[(m, gap)])} (Holm)"
         lines.append(f"| {m} | {gap} - none | {' '.join(f'{v:+.1f}' for v in D)} | {r['mean']:+.2f} | "
                      f"[{r['lo']:+.2f}, {r['hi']:+.2f}] | {r['dz']:+.2f} | {r['t']:+.2f} | {p} | "
-                     + (f"± {MARGIN[m]} | {r['p_tost']:.3f} |" if (m, gap) == ("AUC", "long") else "- | - |"))
+                     + (f"± {MARGIN[m]} | {p_text(r['p_tost'])} |" if (m, gap) == ("AUC", "long") else "- | - |"))
     return "\n".join(lines)
 
 

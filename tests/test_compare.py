@@ -161,6 +161,11 @@ def test_the_factorials_ci_and_equivalence_test_follow_the_t_distribution(d, mar
     assert r["dz"] == pytest.approx(r["mean"] / r["sd"])
 
 
+def test_a_p_value_below_0001_keeps_its_first_digit():
+    """The factorial's primary p was 0.0003: printed 0.000, it read as zero."""
+    assert [C.p_text(p) for p in (0.00031, 0.0012, 0.0234, 0.998)] == ["0.0003", "0.001", "0.023", "0.998"]
+
+
 def test_factorial_reports_the_difference_in_differences_per_seed(tmp_path):
     """token - balanced per seed within each gap, then D = d(gap) - d(none): the declared test's numbers."""
     cost = {"none": 0.0, "middle": 0.02, "long": 0.05}  # what token loses against balanced, times the seed
@@ -187,7 +192,8 @@ def test_factorial_reports_the_difference_in_differences_per_seed(tmp_path):
         assert r["mean"] < -1 and r["sd"] > 0
         row = next(x for x in out.splitlines() if x.startswith(f"| AUC | {gap} - none |"))
         assert " ".join(f"{v:+.1f}" for v in D) in row and f"{r['mean']:+.2f} | [{r['lo']:+.2f}, {r['hi']:+.2f}]" in row
-        assert (f"| {r['p']:.3f} | ± 0.5 | {r['p_tost']:.3f} |" if gap == "long" else "(Holm) | - | - |") in row
+        primary = f"| {C.p_text(r['p'])} | ± 0.5 | {C.p_text(r['p_tost'])} |"
+        assert (primary if gap == "long" else "(Holm) | - | - |") in row
     assert "| J | long - none | +0.0 +0.0 +0.0 | +0.00 |" in out  # J's token - balanced is 2 in every gap
     assert "| J | none | +2.0 +2.0 +2.0 | +2.00 |" in out
     (tmp_path / "lab-check-long-token-s3" / "args.json").unlink()  # a cell one seed short: not silently dropped
