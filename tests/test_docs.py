@@ -59,3 +59,49 @@ def test_the_factorials_report_quotes_results_rows_verbatim():
     rows = [x for x in report.splitlines() if x.startswith(("| AUC |", "| J |"))]
     assert len(rows) == 7
     assert all(row in section.splitlines() for row in rows)
+
+
+# A passage that quotes measured numbers names the results.md sections they come from:
+#   <!-- numbers from results.md: SECTION, SECTION --> ... <!-- end numbers -->
+QUOTES = re.compile(r"<!-- numbers from results\.md: ([\w, -]+?) -->(.*?)<!-- end numbers -->", re.S)
+DECIMAL = re.compile(r"(?<![\w.+-])[-+]?\d+\.\d+")  # a measured value: means, differences, p values, AUCs
+
+
+def prose(text: str) -> str:
+    """What a reader reads as numbers: no commands, no link targets; a sign as printed (− is -)."""
+    text = re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", "", text))
+    return text.replace("−", "-")
+
+
+def untraced(passage: str, sections: list[str]) -> list[str]:
+    results = (ROOT / "docs" / "results.md").read_text()
+    pool = set()
+    for name in sections:
+        found = re.search(rf"<!-- section {re.escape(name)} -->(.*?)<!-- end {re.escape(name)} -->", results, re.S)
+        assert found, f"results.md has no section {name!r}"
+        pool.update(DECIMAL.findall(prose(found[1])))
+    return [x for x in DECIMAL.findall(prose(passage)) if x not in pool]
+
+
+def quoted_passages() -> list[tuple[str, list[str], str]]:
+    found = [(page.name, [n.strip() for n in m[1].split(",")], m[2])
+             for page in PAGES if page.name != "results.md" for m in QUOTES.finditer(page.read_text())]
+    assert found, "no page marks a passage that quotes results.md"
+    return found
+
+
+def test_every_number_a_passage_quotes_is_in_the_results_sections_it_names():
+    for page, sections, passage in quoted_passages():
+        assert DECIMAL.findall(prose(passage)), f"{page}: a marked passage without numbers"
+        assert untraced(passage, sections) == [], f"{page}: numbers in no row of results.md's {sections}"
+
+
+def test_changing_one_digit_of_a_quoted_number_fails():
+    """The check above is not vacuous: each digit of each quoted number, changed, leaves a number untraced."""
+    for page, sections, passage in quoted_passages():
+        text = prose(passage)
+        for m in DECIMAL.finditer(text):
+            for i in range(m.start(), m.end()):
+                if text[i].isdigit():
+                    changed = text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:]
+                    assert untraced(changed, sections), f"{page}: {m[0]} changed at one digit still traces"
