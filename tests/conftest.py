@@ -1,5 +1,7 @@
+import functools
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -56,8 +58,7 @@ def deepspeed_run(nproc: int, script: str, *args: str, port: int = 29611, timeou
            script, *args]  # what it stands for
     with tempfile.TemporaryDirectory() as tmp, socket.socket(socket.AF_UNIX) as conn:
         req = dict(script=script, module=module, args=list(args), nproc=nproc, port=port, cwd=str(ROOT),
-                   env=env or cpu_env(),
-                   stdout=f"{tmp}/stdout", stderr=f"{tmp}/stderr")
+                   env=env or cpu_env(), stdout=f"{tmp}/stdout", stderr=f"{tmp}/stderr")
         conn.connect(rank_server())
         conn.sendall((json.dumps(req) + "\n").encode())
         reply = conn.makefile()
@@ -66,28 +67,28 @@ def deepspeed_run(nproc: int, script: str, *args: str, port: int = 29611, timeou
         try:
             code = int(reply.readline())
         except TimeoutError:
-            os.killpg(pid, 9)
+            os.killpg(pid, signal.SIGKILL)
             raise subprocess.TimeoutExpired(cmd, timeout) from None
         read = lambda name: Path(tmp, name).read_text() if Path(tmp, name).exists() else ""  # noqa: E731
         return subprocess.CompletedProcess(cmd, code, read("stdout"), read("stderr"))
 
 
-_RANK_SERVER: list = []
+@functools.cache
+def _start_rank_server() -> tuple[subprocess.Popen, str]:
+    import atexit
+    import shutil
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="ranks-"), "socket")
+    proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "rank_server.py"), path], cwd=ROOT,
+                            env=cpu_env(), stdin=subprocess.DEVNULL)
+    atexit.register(lambda: (proc.kill(), shutil.rmtree(os.path.dirname(path), ignore_errors=True)))
+    return proc, path
 
 
 def rank_server() -> str:
     """The socket of the test run's rank server, started by the first launch (its imports: about 10 s)."""
-    if not _RANK_SERVER:
-        import atexit
-        import shutil
-        import tempfile
-
-        path = os.path.join(tempfile.mkdtemp(prefix="ranks-"), "socket")
-        proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "rank_server.py"), path], cwd=ROOT,
-                                env=cpu_env(), stdin=subprocess.DEVNULL)
-        atexit.register(lambda: (proc.kill(), shutil.rmtree(os.path.dirname(path), ignore_errors=True)))
-        _RANK_SERVER.append((proc, path))
-    proc, path = _RANK_SERVER[0]
+    proc, path = _start_rank_server()
     deadline = time.time() + 300
     while not os.path.exists(path):
         if proc.poll() is not None or time.time() > deadline:

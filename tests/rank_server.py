@@ -32,6 +32,7 @@ def warm_imports() -> None:
     """The trainer's imports, then its lazy ones (vLLM's engine, DeepSpeed, the model classes)."""
     sys.path.insert(0, str(ROOT))
     import deepspeed  # noqa: F401
+    import torch
     import transformers  # noqa: F401
     import vllm  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
@@ -40,6 +41,9 @@ def warm_imports() -> None:
 
     import evaluate  # noqa: F401
     import train_grpo  # noqa: F401
+
+    if torch.cuda.is_initialized():  # a CUDA context does not survive a fork: say so, rather than hang a rank
+        sys.exit("rank_server.py: the imports initialised CUDA; forked ranks need a CPU-only start")
     # the project's modules run afresh in every rank (their imports set the rank's own variables)
     for name, module in list(sys.modules.items()):
         file = str(getattr(module, "__file__", None) or "")
