@@ -209,11 +209,13 @@ def predict(task: str, steps: int, seed: int = 0, steady: bool = False, extra: t
     for _ in range(steps):
         idx = torch.randperm(len(train_pairs), generator=gen)[: sampling.prompts_per_step].tolist()
         rollouts.append(sample_step(model, tok, [train_pairs[i] for i in idx], gen, sampling))
-    acc = float(torch.cat([r for _, r in rollouts]).mean())
-    lengths = [len(s) - p for seqs, _ in rollouts for s, p in seqs]
+    right = torch.cat([r for _, r in rollouts]) > 0
+    lengths = torch.tensor([len(s) - p for seqs, _ in rollouts for s, p in seqs], dtype=torch.float64)
+    fail, success = lengths[~right].mean().item(), lengths[right].mean().item()  # the sign-length coupling
     print(f"{task}: J {base['J']:.4f} (right answers, held-out prompts), check first {base['check_first']:.3f}, "
-          f"answer after one check {base['answer_after_check']:.3f}; {steps} steps sampled: accuracy {acc:.3f}, "
-          f"mean length {sum(lengths) / len(lengths):.1f}\n")
+          f"answer after one check {base['answer_after_check']:.3f}; {steps} steps sampled: accuracy "
+          f"{right.double().mean().item():.3f}, failures {fail:.1f} tokens against successes' {success:.1f} "
+          f"({fail / success:.1f}x), mean length {lengths.mean().item():.1f}\n")
     print("| rule | first-step gain in J x1000 (mean ± s.e. over steps) | check first x1000 | answer after one "
           "check x1000 | relative to balanced |\n|---|---|---|---|---|")
     rows, grads = {}, {}
