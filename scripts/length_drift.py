@@ -197,7 +197,8 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
         head += [f"{task}: length, steps 36-40", f"{task}: Acc@8 peak / last"]
         head += [f"{task}: clip fraction, steps 1-40"] if losses else []
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    curves, seed_rows = defaultdict(dict), []
+    curves, seed_rows, clip_rows = defaultdict(dict), [], []
+    clip = json.loads((ROOT / "ds_config.json").read_text())["gradient_clipping"]  # what every run clips at
     for agg, loss in settings:
         cells = [agg if loss == "ppo" else f"{agg}, {loss}"]
         for task, by_setting in tasks.items():
@@ -219,6 +220,9 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
                     pushes.append(sum(1000 * shuffled_push(r, L, in_groups_of(a, n), draws=20)
                                       / loss_scale(r, L, in_groups_of(a, n)) for r, L, n in samples) / len(samples))
                 cells.append(mean_std(pushes, 2, True))
+            norms = [m[s]["loss/grad_norm"] for m in per_run for s in m if s > 0]
+            clip_rows.append(f"| {task} | {cells[0]} | {sum(norms) / len(norms):.3f} | "
+                             f"{sum(x > clip for x in norms)} / {len(norms)} |")
             late = [sum(m[s]["length/mean"] for s in range(36, 41)) / 5 for m in per_run]
             cells.append(mean_std(late))
             peaks_lasts = [acc(r) for r in runs]
@@ -249,6 +253,10 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
               f"steps 36-40, Acc@{eval_args.n} at the peak / last checkpoint\n")
         print("| task | rule | seed | pg loss or push | length | Acc peak / last |\n|---|---|---|---|---|---|")
         print("\n".join(seed_rows))
+        print(f"\nThe gradient's norm before the clip at {clip} (ds_config.json's gradient_clipping): its mean over "
+              "the steps of every seed, and the steps whose norm passed the clip\n")
+        print("| task | rule | grad norm, mean | steps clipped |\n|---|---|---|---|")
+        print("\n".join(clip_rows))
     if figure is not None:
         plot_summary(curves, list(tasks), figure)
 
