@@ -174,11 +174,12 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
     Acc@8 at the peak and the last checkpoint."""
     import evaluate
 
-    def acc(run: Path) -> tuple[float, float]:  # from evaluate.py's results, cached with each checkpoint
+    def acc(run: Path) -> tuple[float, float, dict[int, float]]:  # evaluate.py's results cached per checkpoint
         per_step = {s: json.loads((evaluate.cache_dir(c, eval_args) / "results.json").read_text())["results"]
                     for s, c in evaluate.run_checkpoints(str(run))}
         pl = evaluate.peak_and_last(per_step, eval_args.n)
-        return tuple(100 * pl[k][1]["average"][f"acc@{eval_args.n}"] for k in ("peak", "last"))
+        at = {s: 100 * r["average"][f"acc@{eval_args.n}"] for s, r in per_step.items()}
+        return (*(100 * pl[k][1]["average"][f"acc@{eval_args.n}"] for k in ("peak", "last")), at)
 
     def steps(run: Path) -> dict[int, dict]:
         from grpo_run import run_metrics
@@ -197,7 +198,7 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
         head += [f"{task}: length, steps 36-40", f"{task}: Acc@8 peak / last"]
         head += [f"{task}: clip fraction, steps 1-40"] if losses else []
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    curves, seed_rows, clip_rows = defaultdict(dict), [], []
+    curves, seed_rows, clip_rows, coupling_rows, acc_rows = defaultdict(dict), [], [], [], {}
     clip = json.loads((ROOT / "ds_config.json").read_text())["gradient_clipping"]  # what every run clips at
     for agg, loss in settings:
         cells = [agg if loss == "ppo" else f"{agg}, {loss}"]
@@ -223,6 +224,11 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
             norms = [m[s]["loss/grad_norm"] for m in per_run for s in m if s > 0]
             clip_rows.append(f"| {task} | {cells[0]} | {sum(norms) / len(norms):.3f} | "
                              f"{sum(x > clip for x in norms)} / {len(norms)} |")
+            gap = [[m[s]["length/pos_neg_gap"] for m in per_run] for s in (1, *range(36, 41))]
+            coupling_rows.append(
+                f"| {task} | {cells[0]} | {mean_std(gap[0])} | {mean_std([sum(g) / 5 for g in zip(*gap[1:])])} | "
+                f"{mean_std([m[1]['length/cv'] for m in per_run], 2)} | "
+                f"{max(abs(m[s]['loss/pg']) for m in per_run for s in m):.1e} |")
             late = [sum(m[s]["length/mean"] for s in range(36, 41)) / 5 for m in per_run]
             cells.append(mean_std(late))
             peaks_lasts = [acc(r) for r in runs]
@@ -230,7 +236,10 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
                 signal = f"{first[k]:+.4f}" if "nogap" not in task else f"{pushes[k]:+.2f}"
                 seed_rows.append(f"| {task} | {cells[0]} | {seed} | {signal} | {late[k]:.1f} | "
                                  f"{peaks_lasts[k][0]:.1f} / {peaks_lasts[k][1]:.1f} |")
-            cells.append(f"{mean_std([p for p, _ in peaks_lasts])} / {mean_std([x for _, x in peaks_lasts])}")
+            cells.append(f"{mean_std([p for p, _, _ in peaks_lasts])} / {mean_std([x for _, x, _ in peaks_lasts])}")
+            at = [a for _, _, a in peaks_lasts]
+            points = sorted(set.intersection(*map(set, at)))
+            acc_rows[(task, cells[0])] = {s: mean_std([a[s] for a in at]) for s in points}
             if losses:
                 cells.append(mean_std([sum(m[s]["loss/clip_frac"] for s in m if s > 0) / (len(m) - (0 in m))
                                   for m in per_run], 3))
@@ -257,6 +266,17 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
               "the steps of every seed, and the steps whose norm passed the clip\n")
         print("| task | rule | grad norm, mean | steps clipped |\n|---|---|---|---|")
         print("\n".join(clip_rows))
+        print("\nThe coupling's condition and its loss: the failures' extra length (neg - pos, tokens, mixed groups) "
+              "at step 1 and over steps 36-40 and the within-group length CV at step 1 (mean ± std over seeds), and "
+              "the largest |pg loss| of any step of any seed\n")
+        print("| task | rule | neg-pos gap, step 1 | neg-pos gap, steps 36-40 | length CV, step 1 | max abs pg loss |\n"
+              "|---|---|---|---|---|---|")
+        print("\n".join(coupling_rows))
+        points = sorted(set.intersection(*(set(r) for r in acc_rows.values())))
+        print(f"\nAcc@{eval_args.n} at every checkpoint (mean ± std over seeds)\n")
+        print("| task | rule | " + " | ".join(f"step {s}" for s in points) + " |\n|---|---|" + "---|" * len(points))
+        print("\n".join(f"| {task} | {rule} | " + " | ".join(r[s] for s in points) + " |"
+                        for (task, rule), r in acc_rows.items()))
     if figure is not None:
         plot_summary(curves, list(tasks), figure)
 
