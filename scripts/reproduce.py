@@ -90,7 +90,9 @@ EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
 
 # figures an experiment's runs draw (evaluate.py --plot), copied where the docs show them
 FIGURES = {"lab": [(f"runs/ablation-lab/{f}.png", f"docs/lab_{f}.png")
-                   for f in ("figure1_accuracy", "figure2_pg_loss", "figure3_length")]}
+                   for f in ("figure1_accuracy", "figure2_pg_loss", "figure3_length")],
+           "length-study": [("runs/ablation-lab-nogap/figure3_length.png", "docs/nogap_figure3_length.png"),
+                            ("runs/ablation-lab-nogap-hi/figure3_length.png", "docs/nogap_hi_figure3_length.png")]}
 
 
 def run_commits(table_cmds: list[list[str]]) -> list[str]:
