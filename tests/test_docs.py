@@ -11,7 +11,6 @@ from collections import defaultdict
 from conftest import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-LEGACY = re.compile(r"<!-- not regenerated: [^>]+ -->.*?<!-- end not regenerated -->", re.S)
 
 
 def measured_rows(text: str) -> list[str]:
@@ -32,9 +31,8 @@ def test_every_published_table_row_is_regenerated_by_reproduce():
         if page.name in RECORDS:
             continue
         text = page.read_text()
-        for block in LEGACY.findall(text):  # a legacy block says which commit and how to regenerate it
-            assert "commit" in block and "python -m scripts.reproduce" in block, block[:200]
-        for row in measured_rows(LEGACY.sub("", text)):
+        assert "not regenerated" not in text, f"{page.name}: a block kept from an older commit; regenerate it"
+        for row in measured_rows(text):
             if row in generated:
                 continue
             rule = row.split("|")[1].strip().replace("**", "")
@@ -201,12 +199,12 @@ def test_changing_one_digit_of_a_quoted_number_fails():
 
 
 def test_no_mean_std_or_p_value_outside_a_traced_passage():
-    """A measured number cannot be published unmarked: outside the marked passages (and the blocks
-    kept from before reproduce.py) no sentence of the docs holds a mean ± std or a p value."""
+    """A measured number cannot be published unmarked: outside the marked passages no sentence of the
+    docs holds a mean ± std or a p value."""
     for page in PAGES:
         if page.name in RECORDS:
             continue
-        text = prose(LEGACY.sub("", QUOTES.sub("", page.read_text())))
+        text = prose(QUOTES.sub("", page.read_text()))
         loose = PAIR.findall(text) + re.findall(r"\bp (?:\(Holm\) )?[=<] ?\d", text)
         assert not loose, f"{page.name}: measured numbers outside a traced passage: {loose[:5]}"
 
