@@ -15,7 +15,8 @@
 #    line, and the check goes on with what there is. tests/gpu_wheels.sh makes such a wheel directory on a
 #    machine with network. PYTHON and GPU_CHECK_WHEELS may be given relative to the folder it is run from.
 # 3. Runs tests/test_gpu.py: the update path at real shapes wherever DeepSpeed imports, the rollout and
-#    weight-sync checks where vLLM and math-verify do too; each skip says what is missing, and the check names
+#    weight-sync checks where vLLM and math-verify do too (the update path prints which attention ran: on CUDA it
+#    must be the flash kernel attention_kind reports); each skip says what is missing, and the check names
 #    every package whose absence skipped a test. Then, on CUDA with DeepSpeed,
 #    the update benchmark (bench_step.py --update-only at each of $GPU_CHECK_SHAPES, default
 #    "qwen2.5-1.5b qwen2.5-3b": docs/gpu.md's MFU table, at the trainer's CUDA defaults).
@@ -41,10 +42,19 @@ fi
 PACKAGES=(torch transformers pytest deepspeed vllm math_verify)  # modules; requirements.txt names them with '-'
 
 # name=version (or name=-) for every package (its distribution's version where the module has none),
-# hold=DIST==VERSION for every installed distribution (what pip matches), then cuda=N (devices torch sees)
+# hold=DIST==VERSION for every installed distribution (what pip matches) whose version pip can pin (PEP 440; a
+# system Python's distro-info 1.1build1 is not, and pip 24.1 and later refuse such a constraint line: it stays
+# unheld, unheld=DIST VERSION), then cuda=N (devices torch sees)
 probe() {
   "$py" - "${PACKAGES[@]}" 2>/dev/null <<'EOF'
 import importlib, importlib.metadata as md, sys
+try:
+    from packaging.version import InvalidVersion, Version
+except ImportError:  # a bare environment: pip's own copy
+    try:
+        from pip._vendor.packaging.version import InvalidVersion, Version
+    except ImportError:  # no pip: nothing is installed anyway
+        InvalidVersion, Version = ValueError, str
 dists = md.packages_distributions()
 for name in sys.argv[1:]:
     try:
@@ -52,12 +62,18 @@ for name in sys.argv[1:]:
         print(f"{name}={getattr(module, '__version__', None) or md.version(dists[name][0])}")
     except Exception:  # not installed, or installed and broken: either way it does not import
         print(f"{name}=-")
-held = {}
+held, unheld = {}, {}
 for dist in md.distributions():
     name = dist.metadata["Name"]
     if name:  # a distribution with broken metadata names nothing pip could match
-        held.setdefault(name.lower().replace("_", "-"), f"{name}=={dist.version}")
+        key = name.lower().replace("_", "-")
+        try:
+            Version(dist.version)
+            held.setdefault(key, f"{name}=={dist.version}")
+        except InvalidVersion:
+            unheld.setdefault(key, f"{name} {dist.version}")
 print("\n".join(f"hold={h}" for h in sorted(held.values())))
+print("\n".join(f"unheld={u}" for k, u in sorted(unheld.items()) if k not in held))
 try:
     import torch
     print(f"cuda={torch.cuda.device_count() if torch.cuda.is_available() else 0}")
@@ -72,8 +88,10 @@ unmet_requirements() {
 import importlib.metadata as md, sys
 try:
     from packaging.requirements import Requirement
+    from packaging.version import InvalidVersion
 except ImportError:  # a bare environment: pip's own copy
     from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.version import InvalidVersion
 for line in md.requires(sys.argv[1]) or []:
     req = Requirement(line)
     if req.marker is not None and not req.marker.evaluate({"extra": ""}):
@@ -82,6 +100,8 @@ for line in md.requires(sys.argv[1]) or []:
         met = req.specifier.contains(md.version(req.name), prereleases=True)
     except md.PackageNotFoundError:
         met = False
+    except InvalidVersion:  # installed at a version nothing can compare (1.1build1): met only where none is asked
+        met = not req.specifier
     if not met:
         print(str(req).split(";")[0].replace(" ", ""))
 EOF
@@ -119,6 +139,10 @@ if [ -n "$todo" ] && { [ "${gpus:-0}" -gt 0 ] || [ "${GPU_CHECK_FORCE:-0}" = 1 ]
   hold=$(mktemp)
   trap 'rm -f "$hold"' EXIT
   version hold >"$hold"
+  unheld=$(version unheld)
+  if [ -n "$unheld" ]; then
+    say "not held (not PEP 440 versions, pip cannot pin them): $(paste -sd, <<<"$unheld" | sed 's/,/, /g')"
+  fi
   source_args=(--retries 0 --timeout 15)
   if [ -n "$wheels" ]; then
     source_args=(--no-index --find-links "$wheels")

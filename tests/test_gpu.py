@@ -132,6 +132,10 @@ def test_update_path_at_real_shapes(tmp_path):
         # the memory model bounds what the update held
         assert c["micro_batches"] == 1 and c["micro_batch_tokens"] > 8 * 1024
         assert c["peak_gib"] <= c["predicted_peak_gib"], (c["peak_gib"], c["predicted_peak_gib"])
+        # the packed path ran the kernel attention_kind reports (and the memory model sized the budget for): torch's
+        # varlen flash kernel, not one sequence at a time (a torch whose varlen_attn lacks enable_gqa/window_size)
+        assert c["attention_kind"] == "flash" and set(c["attention"]) == {"flash"}, (
+            f"attention_kind reports {c['attention_kind']}, the packed path ran {c['attention']}")
 
 
 @needs_cuda
@@ -140,6 +144,8 @@ def test_update_path_deterministic_resumes_bit_exact(tmp_path):
     for c in update_check(tmp_path, "--deterministic"):
         assert c["deterministic"] and c["loaded_diff"] == 0 and c["change"] > 0
         assert c["redone_diff"] == 0 and c["again"] == c["straight"]  # --deterministic: the same bits
+        assert c["attention_kind"] == "math" and set(c["attention"]) == {"math"}, (
+            f"attention_kind reports {c['attention_kind']}, the packed path ran {c['attention']}")
 
 
 @needs_cuda

@@ -13,7 +13,8 @@ update again, which must reproduce the first time's fp32 master weights: bit for
 from the first time, relative to the update's own change (L2 norms over all ranks' partitions), must be at most
 REDO_TOLERANCE. That criterion is judged on the spot: the same redo from a resume broken on purpose (Adam's
 moments not restored; its step count not restored) must exceed it. Also the collective helpers (all_reduce,
-all_gather_objects) on the backend's device. Each rank writes DIR/update_check_rankR.json.
+all_gather_objects) on the backend's device, and which attention the packed update ran (train_grpo.ATTENTION_CALLS,
+beside attention_kind's: one line). Each rank writes DIR/update_check_rankR.json.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from scripts.bench_step import SHAPES, synthetic_rollouts  # noqa: E402
 # more (measured on the CPU: see tests/test_gpu_check.py and docs/gpu.md)
 REDO_TOLERANCE = 0.1
 FAULTS = ("moments", "step")  # what a broken resume could fail to restore
+# train_grpo.ATTENTION_CALLS's paths: which attention the packed update ran
+ATTENTION_PATHS = {"flash": "varlen_attn", "math": "scaled_dot_product_attention per sequence, math kernel",
+                   "sdpa": "scaled_dot_product_attention per sequence", "sdpa-masked": "SDPA with a padding mask"}
 
 
 def random_model(shape: str, out: Path, max_len: int) -> None:
@@ -143,6 +147,8 @@ def main() -> None:
     if args.micro_batch_tokens is None:  # CUDA: as the trainer sizes it at its first update
         args.micro_batch_tokens, memory = T.measured_budget(engine, args, a.prompt_len + a.response_len)
     held = torch.cuda.memory_allocated() if cuda else 0
+    # what the optimizer has yet to make (Adam's moments, at its first step): part of the peak from then on
+    to_come = T.states_to_come(engine, memory) if memory is not None else 0.0
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     optimizer = engine.optimizer.optimizer
     result = {"rank": rank, "world": world, "shape": a.shape, "device": str(device),
@@ -181,11 +187,15 @@ def main() -> None:
         update(engine, ref_engine, args, 2, rank, device)
         result["faults"][fault] = relative_distance(master_weights(engine), after, saved)
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    # the attention each packed_attention call ran, beside the one attention_kind reports (the memory model's)
+    result["attention"], result["attention_kind"] = dict(T.ATTENTION_CALLS), T.attention_kind(args, cuda)
     result["micro_batches"] = first["micro_batches"] / args.minibatches
-    if memory is not None:  # the memory model's bound: the states held, its fixed bytes, a largest micro-batch
+    if memory is not None:  # the memory model's bound: the states held and to come (Adam's moments), its fixed bytes
+        # and the gradients in flight, a largest micro-batch
         per_minibatch = args.prompts_per_step // world * args.group_size // args.minibatches
         largest = min(args.micro_batch_tokens, per_minibatch * (a.prompt_len + a.response_len))
-        result["predicted_peak_gib"] = (held + memory["fixed"] + memory["per_token"] * largest) / 2**30
+        result["predicted_peak_gib"] = (held + to_come + memory["fixed"] + memory["gradients in flight"]
+                                        + memory["per_token"] * largest) / 2**30
     (out / f"update_check_rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         print(f"[update check] {a.shape} ({result['params'] / 1e9:.2f}B parameters), {world} rank(s) on "
@@ -195,6 +205,11 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2f}" for k, v in result["faults"].items()) + ")"
               + (f"; peak memory {result['peak_gib']:.1f} GiB" if cuda else "")
               + (f" (memory_model: at most {result['predicted_peak_gib']:.1f} GiB)" if memory else ""), flush=True)
+        ran = ", ".join(f"{k} ({ATTENTION_PATHS.get(k, k)}), {n} calls" for k, n in sorted(result["attention"].items()))
+        kind = result["attention_kind"]
+        print(f"[update check] attention: {ran or 'no calls'}"
+              + (f"; not {kind}, which attention_kind reports" if cuda and set(result["attention"]) != {kind} else ""),
+              flush=True)
     dist.barrier()
 
 
