@@ -106,6 +106,14 @@ def check_args(args: argparse.Namespace, world: int, loss_params: dict, offline_
     if (args.micro_batch_tokens or 0) < 0:
         raise ValueError(f"--micro-batch-tokens must be >= 0 (got {args.micro_batch_tokens}; 0: by "
                          "--micro-batch-size alone)")
+    # None, a flag not given, as parse_args leaves it (only a run's recorded sizes can break these)
+    if args.micro_batch_tokens is None and not torch.cuda.is_available():
+        raise ValueError("--micro-batch-tokens must be a number on the CPU (got None: measured at the first update, "
+                         "on CUDA only)")
+    for k in ("micro_batch_size", "logprob_batch_size"):
+        if getattr(args, k) is None and args.micro_batch_tokens == 0:
+            raise ValueError(f"{flag(k)} must be a number without a token budget (got None: no cap but the budget, "
+                             "and --micro-batch-tokens is 0)")
     if args.keep_last < 1:
         raise ValueError(f"--keep-last must be at least 1 (got {args.keep_last}): a resume needs the newest full "
                          "state; give a number above --steps / --save-interval to keep them all")
@@ -608,6 +616,110 @@ def resume_point(out_dir: Path, world: int) -> str:
     return f"the same command resumes the run from {ckpt} (step {int(ckpt.name[5:])})"
 
 
+# The micro-batch sizes a checkpoint records in its trainer_state.json's "sizes" (on CUDA the token budget as measured
+# at the run's first update) and a resume on the same device reuses, unless its command gives one of them; beside
+# them the device they were cut for: its type, and on CUDA its model, its memory and vLLM's share of it, on which
+# the measured budget depends.
+SIZE_FLAGS = {"micro_batch_size", "micro_batch_tokens", "logprob_batch_size"}
+SIZE_DEVICE_KEYS = ("device", "device_name", "device_memory", "vllm_gpu_memory")
+
+
+def device_record(cuda: bool, local_rank: int, vllm_gpu_memory: float) -> dict:
+    """This launch's device as a checkpoint's "sizes" records it (SIZE_DEVICE_KEYS): the CPU by its type alone
+    (vLLM's share of GPU memory does nothing there)."""
+    if not cuda:
+        return {"device": "cpu"}
+    return {"device": "cuda", "device_name": torch.cuda.get_device_name(local_rank),
+            "device_memory": torch.cuda.get_device_properties(local_rank).total_memory,
+            "vllm_gpu_memory": vllm_gpu_memory}
+
+
+def device_words(record: dict) -> str:
+    """A device_record in words: 'cpu', or 'NVIDIA H100 80GB HBM3 (79.2 GiB, --vllm-gpu-memory 0.7)'."""
+    if record.get("device") != "cuda":
+        return str(record.get("device"))
+    if "device_name" not in record:  # recorded before the model and memory were
+        return "cuda (model and memory not recorded)"
+    return (f"{record['device_name']} ({record.get('device_memory', 0) / 2**30:.1f} GiB, --vllm-gpu-memory "
+            f"{record.get('vllm_gpu_memory')})")
+
+
+def _parsed(parse: Callable[[list[str]], argparse.Namespace], argv: list[str]) -> tuple[argparse.Namespace | None,
+                                                                                        str | None]:
+    """(parse(argv), None), or (None, the parser's error without its usage lines)."""
+    import io
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse(argv), None
+    except SystemExit:  # argparse's error(): usage and "PROG: error: MESSAGE" on stderr
+        lines = err.getvalue().strip().splitlines() or ["the parser refused it"]
+        return None, lines[-1].split(": error: ", 1)[-1]
+
+
+def checked_sizes(sizes, where: Path, parse: Callable[[list[str]], argparse.Namespace],
+                  check: Callable[[dict], None]) -> dict:
+    """A checkpoint's "sizes" (`where`: its trainer_state.json), checked as the flags are, before any of it is applied:
+    SIZE_FLAGS and the device keys only; each flag's value as its flag string read by the trainer's parser (`parse`:
+    argv -> arguments; the value must come back as it was recorded: the string "4" is not the number 4), then the
+    trainer's range check over them all (`check`: {key: value} over the launch's arguments, raising ValueError;
+    check_args, whose rules for a null, the flag not given, are those parse_args keeps). A hand-edited or damaged
+    record is a ValueError naming the file and the key."""
+    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    if not isinstance(sizes, dict):
+        raise ValueError(f'{where}: "sizes" must be a JSON object of the micro-batch sizes (got '
+                         f"{json.dumps(sizes)[:60]}); repair the file")
+    for k in sizes:
+        if k not in SIZE_FLAGS and k not in SIZE_DEVICE_KEYS:
+            raise ValueError(f'{where}: "sizes" holds {k!r}, which no run records there (only '
+                             f"{', '.join(sorted(SIZE_FLAGS))} and its device); repair the file")
+
+    def bad(k: str, why: str) -> ValueError:
+        return ValueError(f'{where}: "sizes"' + (f" key {k}" if k else "") + f": {why}; repair the file")
+
+    for k, kind in (("device", str), ("device_name", str), ("device_memory", int)):
+        if k in sizes and (not isinstance(sizes[k], kind) or isinstance(sizes[k], bool)):
+            raise bad(k, f"{json.dumps(sizes[k])} is not a {'count of bytes' if kind is int else 'name'}")
+    flags = {k: v for k, v in sizes.items() if k in SIZE_FLAGS or k == "vllm_gpu_memory"}
+    for k, v in flags.items():
+        if v is None and k not in SIZE_FLAGS:  # a size's null is the flag not given: check_args' rules
+            raise bad(k, "null is not a number")
+        if v is None:
+            continue
+        text = v if isinstance(v, str) else json.dumps(v)
+        args, problem = _parsed(parse, [flag(k), text])
+        if problem:
+            raise bad(k, problem)
+        back = getattr(args, k)
+        if type(back) is not type(v) or (back != v and back == back):  # NaN: check_args names it
+            kinds = {str: "a string", int: "an integer", float: "a number"}
+            raise bad(k, f"{json.dumps(v)} is {kinds.get(type(v), type(v).__name__)}, where {flag(k)} takes "
+                         f"{kinds.get(type(back), type(back).__name__)}")
+    try:
+        check(flags)
+    except ValueError as e:  # named by the first flag its message names
+        said = first_line(e)
+        named = [k for k in flags if flag(k) in said]
+        raise bad(min(named, key=lambda k: said.index(flag(k))) if named else "", said) from None
+    return sizes
+
+
+def resumed_sizes(recorded: dict, here: dict, flags_given) -> tuple[dict, int | None]:
+    """(the recorded sizes a resume applies, a cap on the token budget it measures anew) from a checkpoint's "sizes"
+    (`recorded`, checked_sizes'; {} for none) and this launch's device_record (`here`). On the same device, vLLM
+    holding the same share, and with no size flag given: the recorded sizes, so that a resumed --deterministic run
+    cuts the same micro-batches. Otherwise none of them, and on CUDA the budget the run recorded caps the one
+    measured at the first update: a budget that another device's or another share's memory gave may not fit here,
+    and a larger one measured here is not taken over the record."""
+    sizes = {k: v for k, v in recorded.items() if k in SIZE_FLAGS}
+    same = all(recorded.get(k) == here.get(k) for k in SIZE_DEVICE_KEYS)
+    if not recorded or (same and not SIZE_FLAGS & set(flags_given)):
+        return sizes, None
+    tokens = recorded.get("micro_batch_tokens")
+    return {}, tokens if here.get("device") == "cuda" and isinstance(tokens, int) and tokens > 0 else None
+
+
 def free_port() -> int:
     """A port no process on this host listens on now, for a launch's rendezvous (two runs on one
     host would otherwise meet on the launcher's default 29500, and one rank join the other's run)."""
@@ -629,11 +741,70 @@ def exit_without_teardown(code: int = 0) -> None:
     os._exit(code)
 
 
+# this launch's ranks, for one_line_early_ends to name one that died: each rank's (pid, host) in rank order, this
+# rank, the run directory that holds their files (note_ranks), and the step under way (main's loop sets it)
+LAUNCH: dict = {"ranks": [], "rank": None, "out_dir": None, "step": None}
+
+
+# what a collective raises on a rank whose peer is gone: gloo's TCP pairs ("Connection closed by peer", "Connection
+# reset by peer", a write's "Broken pipe"), NCCL's remote error
+PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ncclRemoteError|remote process exited")
+
+
+def rank_file(out_dir: Path, rank: int) -> Path:
+    return out_dir / f".rank{rank}.pid"
+
+
+def note_ranks(out_dir: Path, rank: int, all_gather: Callable) -> None:
+    """Every rank's (pid, host) (`all_gather`: train_grpo.all_gather_objects, a collective), and this rank's file
+    in the run directory, out_dir/.rankN.pid, which one_line_early_ends removes however the rank ends through it:
+    a rank whose process is gone and whose file is left died without a word (SIGKILL: the OOM killer), and a
+    survivor names it (dead_ranks). Written before the gather, so that every rank's is there after it."""
+    rank_file(out_dir, rank).write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    LAUNCH.update(ranks=[tuple(x) for x in all_gather((os.getpid(), socket.gethostname()))], rank=rank,
+                  out_dir=out_dir)
+
+
+def forget_rank() -> None:
+    """This rank ends on its own (said why, or is told to): its file goes, and no survivor takes it for killed."""
+    if LAUNCH["out_dir"] is not None:
+        with contextlib.suppress(OSError):
+            rank_file(LAUNCH["out_dir"], LAUNCH["rank"]).unlink()
+
+
+def process_gone(pid: int) -> bool:
+    """Whether this host's process `pid` has ended, a zombie its parent has not reaped yet included."""
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's: a pid taken again
+        return True
+    return False
+
+
+def dead_ranks(wait_s: float = 0.0) -> tuple[list[int], list[int]]:
+    """(the other ranks on this host that died without a word: process gone, file left; those that ended on their
+    own), waiting up to wait_s for either (a peer's socket closes a moment before its process ends)."""
+    host, deadline = socket.gethostname(), time.time() + wait_s
+    while True:
+        gone = [r for r, (pid, h) in enumerate(LAUNCH["ranks"])
+                if r != LAUNCH["rank"] and h == host and process_gone(pid)]
+        dead = [r for r in gone if rank_file(LAUNCH["out_dir"], r).exists()]
+        if gone or time.time() >= deadline:
+            return dead, [r for r in gone if r not in dead]
+        time.sleep(0.05)
+
+
 def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
     """A decorator of main(argv): Ctrl-C, SIGTERM (a scheduler's preemption) and a full disk end every rank
-    at once; rank 0 says in one line why, and where the run in output_dir(argv) resumes from. The exit skips
-    the interpreter's teardown (engines and process groups mid-collective); every log line is on disk by
-    then."""
+    at once; rank 0 says in one line why, and where the run in output_dir(argv) resumes from. So does a rank
+    that died without a word (killed: the OOM killer's SIGKILL), as the survivors find it: a collective that
+    lost its peer, or the launcher's SIGTERM after the death; the lowest surviving rank of its host names it
+    (rank 0 unless it is the one). The exit skips the interpreter's teardown (engines and process groups
+    mid-collective); every log line is on disk by then."""
     def decorate(train):
         @functools.wraps(train)
         def main(argv: list[str] | None = None) -> None:
@@ -643,21 +814,40 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
             before = signal.signal(signal.SIGTERM, interrupt)
             try:
                 return train(argv)
-            except (KeyboardInterrupt, OSError) as e:
-                if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            except (KeyboardInterrupt, OSError, RuntimeError) as e:
+                lost = isinstance(e, RuntimeError) and PEER_LOST.search(str(e)) is not None
+                if (isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT)) or \
+                        (isinstance(e, RuntimeError) and not lost):
                     raise
                 for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, or the launcher's SIGTERM after it
                     signal.signal(sig, signal.SIG_IGN)
-                if isinstance(e, KeyboardInterrupt):
+                forget_rank()
+                dead, ended = dead_ranks(wait_s=5 if lost else 0)
+                remote = any(h != socket.gethostname() for _, h in LAUNCH["ranks"])
+                if lost and not dead and (ended or not remote):  # a peer that ended on its own said why
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    raise
+                rank, step = int(os.environ.get("RANK", "0")), LAUNCH["step"]
+                when = f"during step {step}" if step is not None else "before the launch's first step"
+                if dead:
+                    who = " and ".join(f"rank {r} (pid {LAUNCH['ranks'][r][0]})" for r in dead)
+                    code, why = 1, f"error: {who} died {when} (killed by a signal, e.g. the OOM killer)"
+                elif lost:
+                    code, why = 1, (f"error: rank {rank} lost its connection to a rank on another node {when} (it "
+                                    "died, e.g. killed by the OOM killer, or the network failed)")
+                elif isinstance(e, KeyboardInterrupt):
                     code, why = 130, "interrupted"
                 else:  # a save's own message names its directory; a log write's names none
                     said = str(e.strerror).startswith("no space left on")
                     code, why = 1, f"error: {e.strerror if said else f'no space left on {output_dir(argv)}'}"
-                if int(os.environ.get("RANK", "0")) == 0:  # after a progress bar's last, unfinished line
+                survivors = [r for r, (_, h) in enumerate(LAUNCH["ranks"]) if h == socket.gethostname()
+                             and r not in dead]
+                if rank == 0 or (0 in dead and rank == min(survivors)):  # after a progress bar's unfinished line
                     where = resume_point(Path(output_dir(argv)), int(os.environ.get("WORLD_SIZE", "1")))
                     print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
                 exit_without_teardown(code)
             finally:
+                forget_rank()
                 signal.signal(signal.SIGTERM, before)
 
         return main
@@ -670,7 +860,7 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
 
 
 def memory_model(config, checkpointing: bool, chunk: int, attention: str, longest: int,
-                 live_params: float = 1e9) -> dict[str, float]:
+                 live_params: float = 1e9, world: int = 1, reduce_bucket: float = 5e8) -> dict[str, float]:
     """Bytes a rank holds at the peak of a micro-batch's forward and backward on CUDA (bf16, fp32 norms), as
     'per_token' (times the micro-batch's tokens) and 'fixed', with the terms they sum; `attention`: the kernel
     the update runs (train_grpo.attention_kind). Per token:
@@ -690,9 +880,20 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
                       boolean padding mask (longest).
     Fixed: the log-prob chunk's forward and recomputed backward (bf16 and fp32 logits, exp, the fp32 and bf16
     gradients: 16 B x chunk x vocab); the gathered embedding and lm_head with their bf16 gradients; ZeRO-3's
-    live parameters (stage3_max_live_parameters, bf16). Not counted: what ZeRO-3 allocates with the engine and
-    the free memory already lacks (the fp32 gradient partition, the reduce bucket, the optimizer's states:
-    zero/stage3.py)."""
+    live parameters (stage3_max_live_parameters, bf16).
+    Resident, what a rank keeps between steps (ZeRO-3, `world` ranks, bf16 with fp32 accumulation; the groups of
+    scripts/memory_ledger.py): the bf16 parameter partitions (2 P / world), the fp32 master weights (4 P / world),
+    the fp32 gradient partitions (4 P / world), Adam's two moments (8 P / world) and the fp32 reduce bucket
+    (reduce_bucket_size elements). All but Adam's moments exist once the engine is built: torch's AdamW creates its
+    moments at the first optimizer step (DeepSpeed 0.19.8's stage3.py no longer steps it at start-up), so the
+    memory free before that step lacks them ('first step').
+    Transient beside the micro-batch's: the gradients in flight at the end of a backward, before ZeRO-3's
+    reduce-scatter empties them into the partitions (bf16 gradients and their fp32 copies: 8 B an element, at most
+    a reduce bucket's worth; measured on one rank, where the whole model is one bucket: 8 P). Then the optimizer
+    step's own, when the micro-batches' are gone: the fp32 gradients it clips and the bf16 copy of the updated
+    master weights ('step', at most 6 P / world; measured 4.0-5.6). A resume reads the checkpoint's fp32 master
+    weights and moments (12 P / world) before it copies them in: host memory on CUDA, where DeepSpeed maps the
+    files to the CPU ('checkpoint read')."""
     h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // heads
@@ -713,18 +914,54 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
     params = embeddings + layers * (h * q + 2 * h * kv + q + 2 * kv + q * h + 3 * h * i + 2 * h) + h
     fixed = {"log-prob chunk": 16 * chunk * vocab, "embedding and lm_head": 4 * embeddings,
              "live parameters": 2 * min(live_params, params)}
-    return {**per_token, **fixed, "per_token": sum(per_token.values()), "fixed": sum(fixed.values()),
-            "params": params}
+    shard = math.ceil(params / world)
+    resident = {"parameter partitions": 2 * shard, "master weights": 4 * shard, "gradient partitions": 4 * shard,
+                "optimizer states": 8 * shard, "reduce bucket": 4 * reduce_bucket}
+    return {**per_token, **fixed, **resident, "per_token": sum(per_token.values()), "fixed": sum(fixed.values()),
+            "params": params, "resident": sum(resident.values()), "first step": resident["optimizer states"],
+            "gradients in flight": 8 * min(params, reduce_bucket), "step": 6 * shard, "checkpoint read": 12 * shard}
 
 
 MEMORY_SHARE = 0.9  # of the free memory: the caching allocator's fragmentation and what the model leaves out
 
 
-def token_budget(model: dict[str, float], free_bytes: int, longest: int) -> int:
-    """--micro-batch-tokens on CUDA by default: the tokens whose memory_model fits MEMORY_SHARE of the memory free
-    once the engines hold theirs (vLLM asleep), at least one longest sequence. Ranks may differ: each evens out its
-    count of micro-batches with the others (rank_micro_batches)."""
-    return int(max((MEMORY_SHARE * free_bytes - model["fixed"]) // model["per_token"], longest))
+def token_budget(model: dict[str, float], free_bytes: int, longest: int, to_come: float = 0) -> int:
+    """--micro-batch-tokens on CUDA by default: the tokens whose memory_model (the micro-batch's fixed bytes and
+    the gradients in flight beside its tokens') fits MEMORY_SHARE of the memory free once the engines hold theirs
+    (vLLM asleep), less `to_come`: what the trainer has yet to allocate for good (Adam's moments, before the
+    first optimizer step). At least one longest sequence. Ranks may differ: each evens out its count of
+    micro-batches with the others (rank_micro_batches)."""
+    room = MEMORY_SHARE * (free_bytes - to_come) - model["fixed"] - model["gradients in flight"]
+    return int(max(room // model["per_token"], longest))
+
+
+def device_fit_problem(model: dict[str, float], total: int, device_name: str, vllm_share: float, world: int,
+                       longest: int, offload: bool) -> str | None:
+    """Whether a rank of `world` fits a device of `total` bytes. It keeps its ZeRO-3 states with Adam's moments
+    (18 B a parameter over the ranks; 2 with optimizer offload, whose master weights, gradients and moments stay on
+    the host) and the reduce bucket throughout; beside them, in turn, vLLM's share (--vllm-gpu-memory: rollouts,
+    and every wake-up takes it back) and, while vLLM sleeps, the update of at least one longest sequence. None if it
+    fits, else one line saying what would."""
+    update = model["fixed"] + model["gradients in flight"] + model["per_token"] * longest
+    bucket, params, per_param = model["reduce bucket"], model["params"], 2 if offload else 18
+    beside = max(vllm_share * total, update)
+    if per_param * params / world + bucket + beside <= total:
+        return None
+    room = total - bucket - beside
+    ways = [f"use at least {math.ceil(per_param * params / room)} GPUs"] if room > 0 else []
+    if not offload and 2 * params / world + bucket + beside <= total:
+        ways.append('offload the optimizer ("offload_optimizer": {"device": "cpu"} in --ds-config\'s '
+                    "zero_optimization)")
+    share = (total - per_param * params / world - bucket) / total - 0.03
+    if share >= 0.1 and per_param * params / world + bucket + update <= total:
+        ways.append(f"lower --vllm-gpu-memory to {share:.2f}")
+    states = ("2 B a parameter with optimizer offload" if offload else
+              "18 B a parameter over the ranks: bf16 weights, fp32 master weights and gradients, Adam's moments")
+    return (f"{params / 1e9:.2f}B parameters keep {(per_param * params / world + bucket) / 2**30:.1f} GiB a rank on "
+            f"{world} GPU(s) ({states}), beside the {vllm_share * total / 2**30:.1f} GiB --vllm-gpu-memory "
+            f"{vllm_share} takes and the {update / 2**30:.1f} GiB of a longest sequence's update, on a "
+            f"{total / 2**30:.1f} GiB {device_name}: " + (" or ".join(ways) or "it does not fit this device")
+            + " (docs/gpu.md)")
 
 
 # -----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import random
 import sys
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 # Engines run in this process (colocated), as RL trainers use them; must precede `import vllm`.
@@ -48,6 +48,10 @@ if os.environ.get("DS_ACCELERATOR") == "cpu":
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read when torch is imported
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)  # logs before vLLM's logging is set up
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# CUDA: the update's freed blocks go back to the device in whole pages at torch.cuda.empty_cache(), however
+# fragmented, so vLLM gets its share back when it wakes after an update (docs/gpu.md); vLLM's own sleep-mode pool
+# turns them off inside it (device_allocator/cumem.py). Read at the first CUDA allocation: set before any.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op. is deprecated")
 
@@ -57,10 +61,16 @@ import torch.utils.checkpoint  # noqa: E402
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run directory, checkpoints, metrics)
+    LAUNCH,
+    SIZE_FLAGS,
     check_args,
     check_jit_cache,
     check_output_dir,
+    checked_sizes,
     damaged_shard,
+    device_fit_problem,
+    device_record,
+    device_words,
     exit_without_teardown,
     first_line,
     free_port,
@@ -70,10 +80,12 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     load_training_state,
     memory_model,
     model_flops_fn,
+    note_ranks,
     one_line_early_ends,
     open_loggers,
     pin_mismatch,
     resume_point,
+    resumed_sizes,
     rng_state,
     run_identity,
     save_checkpoint,
@@ -361,6 +373,54 @@ def deal_groups(held: dict[int, list[dict]], kept: list[int], target: int, minib
                for gid, g in held.items() if owner.get(gid, rank) != rank}
     arrived = {gid: g for part in all_gather_objects(leaving) for gid, g in part.items()}
     return [r for gid in kept[rank * share : (rank + 1) * share] for r in held.get(gid) or arrived[gid]]
+
+
+def balanced_deal(tokens: list[int], world: int) -> list[list[int]]:
+    """Groups (indices of `tokens`, a group's tokens each) dealt to `world` ranks, as many to each: the largest
+    first, each to the rank with the fewest tokens that still has room (LPT); then, while one lowers it, the
+    heaviest rank swaps a group with another rank's (the swap leaving the lower maximum of the two)."""
+    per, load, parts = len(tokens) // world, [0] * world, [[] for _ in range(world)]
+    for g in sorted(range(len(tokens)), key=lambda g: (-tokens[g], g)):
+        r = min((r for r in range(world) if len(parts[r]) < per), key=lambda r: (load[r], r))
+        parts[r].append(g)
+        load[r] += tokens[g]
+    for _ in range(len(tokens) * world):
+        hi = max(range(world), key=lambda r: (load[r], -r))
+        swaps = [(max(load[hi] - d, load[r] + d), r, a, b) for r in range(world) for a in parts[hi] for b in parts[r]
+                 if 0 < (d := tokens[a] - tokens[b]) < load[hi] - load[r]]
+        if not swaps:
+            break
+        _, r, a, b = min(swaps)
+        parts[hi][parts[hi].index(a)], parts[r][parts[r].index(b)] = b, a
+        load[hi], load[r] = load[hi] - tokens[a] + tokens[b], load[r] + tokens[a] - tokens[b]
+    return [sorted(p) for p in parts]
+
+
+def balance_ranks(rollouts: list[dict], group_size: int, minibatches: int, rank: int,
+                  world: int) -> tuple[list[dict], dict[str, float]]:
+    """This rank's groups once each mini-batch's groups (every rank's k-th share) are dealt anew by their tokens
+    (balanced_deal), and the max / mean of per-rank tokens of the slowest mini-batch before and after: the slowest
+    rank sets every step's pace. A mini-batch keeps its groups and every normaliser is summed over ranks
+    (loss_weights), so the gradient is the same. Only the groups that move are sent."""
+    n = len(rollouts) // group_size
+    if world == 1 or n == 0 or n % minibatches:
+        return rollouts, {}
+    group = lambda j: rollouts[j * group_size : (j + 1) * group_size]  # noqa: E731
+    every = all_gather_objects([sum(len(r["tokens"]) for r in group(j)) for j in range(n)])
+    per, owner, mine, before, after = n // minibatches, {}, [], [], []
+    for k in range(minibatches):
+        ids = [(r, j) for r in range(world) for j in range(k * per, (k + 1) * per)]
+        parts = balanced_deal([every[r][j] for r, j in ids], world)
+        owner.update({ids[i]: r for r, part in enumerate(parts) for i in part})
+        mine += [ids[i] for i in parts[rank]]
+        spread = lambda loads: max(loads) * world / max(1, sum(loads))  # noqa: E731
+        before.append(spread([sum(every[r][k * per : (k + 1) * per]) for r in range(world)]))
+        after.append(spread([sum(every[ids[i][0]][ids[i][1]] for i in part) for part in parts]))
+    leaving = {j: [{key: v for key, v in r.items() if key not in ("row", "text")} for r in group(j)]
+               for j in range(n) if owner[(rank, j)] != rank}
+    arrived = all_gather_objects(leaving)
+    dealt = [r for src, j in mine for r in (group(j) if src == rank else arrived[src][j])]
+    return dealt, {"perf/rank_tokens_max_mean": max(after), "perf/rank_tokens_max_mean_as_sampled": max(before)}
 
 
 # -----------------------------------------------------------------------------
@@ -669,6 +729,12 @@ def model_inputs(mb: list[dict], args, device) -> tuple[torch.Tensor, torch.Tens
     return pad_batch(seqs, prompts, args.pad_id, device) if args.padded else pack_batch(seqs, prompts, device)
 
 
+# packed_attention's calls by the path each took, in attention_kind's names ("sdpa": each sequence through
+# scaled_dot_product_attention's default kernels, where the flash kernel does not apply): tests/update_check.py
+# reports which attention ran
+ATTENTION_CALLS: Counter[str] = Counter()
+
+
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Causal attention within each sequence of a packed row ([1, heads, N, head_dim]; cu_seq_lens_q: the
     sequences' cumulative lengths), memory linear in N. CUDA: torch's variable-length flash kernel (GQA
@@ -679,6 +745,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
+        ATTENTION_CALLS["sdpa-masked"] += 1
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if kwargs.get("sliding_window") is not None:
@@ -686,6 +753,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
     deterministic = torch.are_deterministic_algorithms_enabled()
     if flash_kernel_applies(q):
+        ATTENTION_CALLS["flash"] += 1
         from torch.nn.attention.varlen import varlen_attn
 
         # contiguous [N, heads, head_dim], as the kernel's examples lay them out: Qwen2's projections and rotary
@@ -696,6 +764,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        ATTENTION_CALLS["math" if deterministic else "sdpa"] += 1
         bounds = cu.tolist()
         with sdpa_kernel([SDPBackend.MATH]) if deterministic else contextlib.nullcontext():
             out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
@@ -746,6 +815,8 @@ def micro_batches(seq_lens: list[int], max_rows: int | None, max_tokens: int = 0
         if not parts or len(parts[-1]) == rows or (max_tokens and size(parts[-1] + [i]) > max_tokens):
             parts.append([])
         parts[-1].append(i)
+    if count > len(seq_lens):  # each micro-batch holds a response at least: ranks hold as many (balance_ranks)
+        raise ValueError(f"{len(seq_lens)} responses cannot make the {count} micro-batches another rank makes")
     while len(parts) < count:
         k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: size(parts[j]))
         b = parts[k]
@@ -830,18 +901,18 @@ def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, de
     """Steps 4-6 on this rank's rollout batch: old log-probs (only when the policy moves between
     mini-batches; else the detached current ones) and reference ones (only with KL), the aggregation
     weights once, then one ZeRO-3 update per mini-batch of whole groups. This rank's sums for the metrics."""
+    # No learning signal anywhere (every group has zero reward variance, no KL term): skip the log-prob passes and
+    # the update rather than let AdamW's momentum and decay move the weights.
+    learns = all_reduce([float(bool((adv != 0).any()) or args.kl_coef > 0)], op="max").item() > 0
     t0 = time.time()
-    if args.minibatches > 1:
+    if args.minibatches > 1 and learns:
         fill_logprobs(engine, rollouts, "old_logp", args, device)
-    if ref_engine is not None:
+    if ref_engine is not None and learns:
         fill_logprobs(ref_engine, rollouts, "ref_logp", args, device)
     timer["logprobs"] = time.time() - t0
     t0 = time.time()
     engine.train()
     weights = loss_weights(adv, rollouts, args)
-    # No learning signal anywhere (every group has zero reward variance, no KL term):
-    # skip the update rather than let AdamW's momentum and decay move the weights.
-    learns = all_reduce([float(bool((adv != 0).any()) or args.kl_coef > 0)], op="max").item() > 0
     sums, per_mb = defaultdict(float), len(rollouts) // args.minibatches
     for mb in range(args.minibatches if learns else 0):
         part = slice(mb * per_mb, (mb + 1) * per_mb)
@@ -874,10 +945,39 @@ def memory_to_update(llm, engine, args, rank: int) -> int | None:
 
 def measured_budget(engine, args, longest: int) -> tuple[int, dict[str, float]]:
     """CUDA: the token budget (token_budget) for this engine's model, attention and ZeRO-3 settings on the memory
-    free now, and the memory_model it used."""
-    model = memory_model(engine.module.config, engine.module.is_gradient_checkpointing, args.logprob_chunk,
-                         attention_kind(args, cuda=True), longest, engine.zero_max_live_parameters())
-    return token_budget(model, torch.cuda.mem_get_info()[0], longest), model
+    free now less what the trainer has yet to allocate (Adam's moments, before the first optimizer step), and the
+    memory_model it used."""
+    model = trainer_memory(engine, args, longest)
+    return token_budget(model, torch.cuda.mem_get_info()[0], longest, states_to_come(engine, model)), model
+
+
+def trainer_memory(engine, args, longest: int) -> dict[str, float]:
+    """memory_model of this engine's model, attention and ZeRO-3 settings (CUDA's bf16 path), its states partitioned
+    over the engine's ranks."""
+    return memory_model(engine.module.config, engine.module.is_gradient_checkpointing, args.logprob_chunk,
+                        attention_kind(args, cuda=True), longest, engine.zero_max_live_parameters(),
+                        engine.world_size, engine.zero_reduce_bucket_size())
+
+
+def device_fit(args, model_path: str, ds_config: dict, world: int, local_rank: int) -> str | None:
+    """CUDA, before any engine starts: whether the model's ZeRO-3 states, Adam's moments, an update of one longest
+    sequence and vLLM's share fit this rank's device (grpo_run.device_fit_problem); the problem in one line."""
+    from transformers import AutoConfig
+
+    zero, longest = ds_config["zero_optimization"], args.max_prompt_len + args.max_response_len
+    model = memory_model(AutoConfig.from_pretrained(model_path), args.gradient_checkpointing is not False,
+                         args.logprob_chunk, attention_kind(args, cuda=True), longest,
+                         zero.get("stage3_max_live_parameters", 1e9), world, zero.get("reduce_bucket_size", 5e8))
+    device = torch.cuda.get_device_properties(local_rank)
+    offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    return device_fit_problem(model, device.total_memory, device.name, args.vllm_gpu_memory, world, longest, offload)
+
+
+def states_to_come(engine, model: dict[str, float]) -> float:
+    """Bytes of Adam's moments the device has yet to hold: torch's AdamW makes them at its first step (none once
+    it has stepped or a checkpoint loaded them; none on the device with optimizer offload)."""
+    offload = str(getattr(engine.zero_offload_optimizer(), "device", "none")).endswith("none") is False
+    return 0.0 if engine.optimizer.optimizer.state or offload else model["first step"]
 
 
 def attention_kind(args, cuda: bool) -> str:
@@ -987,6 +1087,8 @@ def checked_launch(argv: list[str] | None) -> tuple[argparse.Namespace, int, dic
         ds_config = deepspeed_config(args, world)
         defaults = vars(parse_args(["--model", args.model]))  # what a run predating a flag was trained with
         checkpoints, as_trained = check_output_dir(args, Path(args.output_dir), world, defaults)
+        if checkpoints:  # what a resume applies of it, checked as the flags were (resume checks a fallback's)
+            recorded_sizes(checkpoints[0], args, world)
         check_jit_cache(ds_config, int(os.environ.get("LOCAL_RANK", "0")))
     except ValueError as e:
         sys.exit(f"train_grpo.py: error: {e}")
@@ -1142,7 +1244,9 @@ def build_trainer(args, model_path: str, ds_config: dict):
     return engine, ref_engine
 
 
-def make_vllm(model_path: str, args, rank: int, local_rank: int):
+def make_vllm(model_path: str, args, rank: int, local_rank: int, to_come: float = 0.0):
+    """This rank's colocated vLLM engine. CUDA: its share (--vllm-gpu-memory) must be free now and again when it
+    wakes after the first update, by which time the trainer also holds `to_come` (Adam's moments)."""
     from transformers import AutoConfig
     from vllm import LLM
 
@@ -1159,12 +1263,15 @@ def make_vllm(model_path: str, args, rank: int, local_rank: int):
     cuda = torch.cuda.is_available()
     kw = dict(gpu_memory_utilization=args.vllm_gpu_memory, max_num_seqs=args.vllm_max_num_seqs,
               enable_sleep_mode=True, dtype="bfloat16") if cuda else vllm_cpu_kwargs(max_len)
-    if cuda:  # vLLM starts only if its whole share is free now (v1/worker/utils.py: request_memory)
+    if cuda:  # vLLM starts only if its whole share is free now (v1/worker/utils.py: request_memory), and wakes
+        # after an update only if it is free again, beside Adam's moments
         free, total = torch.cuda.mem_get_info()
+        room = free - to_come
         stop_all(f"rank {rank}: --vllm-gpu-memory {args.vllm_gpu_memory} asks for "
-                 f"{args.vllm_gpu_memory * total / 2**30:.1f} GiB of cuda:{local_rank}, {free / 2**30:.1f} GiB are "
-                 f"free beside the trainer's ZeRO-3 states: lower it to {free / total - 0.03:.2f} or use more GPUs "
-                 "(docs/gpu.md)" if free < args.vllm_gpu_memory * total else None)
+                 f"{args.vllm_gpu_memory * total / 2**30:.1f} GiB of cuda:{local_rank}, {room / 2**30:.1f} GiB stay "
+                 f"free beside the trainer's ZeRO-3 states and Adam's moments ({to_come / 2**30:.1f} GiB, made at the "
+                 f"first step): lower it to {max(room / total - 0.03, 0):.2f}, use more GPUs or optimizer offload "
+                 "(docs/gpu.md)" if room < args.vllm_gpu_memory * total else None)
     # external_launcher: one engine per launched rank, on the device of LOCAL_RANK, inside the
     # launcher's process group (CPU and CUDA alike). vLLM's default uniprocess executor would put
     # every rank's engine on cuda:0 and move the rank's current device there.
@@ -1200,7 +1307,10 @@ def vllm_cpu_kwargs(max_model_len: int) -> dict:
 def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank: int):
     """The ZeRO-3 policy engine, the frozen reference engine (only with --kl-coef), the vLLM engine."""
     engine, ref_engine = build_trainer(args, model_path, ds_config)
-    return engine, ref_engine, make_vllm(model_path, args, rank, local_rank)
+    to_come = 0.0
+    if torch.cuda.is_available():
+        to_come = states_to_come(engine, trainer_memory(engine, args, args.max_prompt_len + args.max_response_len))
+    return engine, ref_engine, make_vllm(model_path, args, rank, local_rank, to_come)
 
 
 def load_prompts(
@@ -1254,15 +1364,20 @@ def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list
     return model_path, tokenizer, train_rows, dropped, eval_rows
 
 
-# the micro-batch sizes a run records (the token budget as measured at its first update) and a resume on the same
-# kind of device reuses, unless its command gives one of them
-SIZE_FLAGS = {"micro_batch_size", "micro_batch_tokens", "logprob_batch_size"}
+def recorded_sizes(ckpt: Path, args, world: int) -> dict:
+    """The micro-batch sizes and device `ckpt` recorded (its trainer_state.json's "sizes", {} before the record),
+    checked as this launch's flags are: by this parser and check_args (grpo_run.checked_sizes); a ValueError names
+    the file and the key."""
+    path = ckpt / "trainer_state.json"
+    return checked_sizes(json.loads(path.read_text()).get("sizes", {}), path,
+                         parse=lambda flags: parse_args(["--model", args.model, *flags]),
+                         check=lambda values: check_args(argparse.Namespace(**{**vars(args), **values}), world,
+                                                         POLICY_LOSS_DEFAULTS[args.policy_loss], OFFLINE_DEFAULTS))
 
 
-def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tuple[int, list[int], int, dict]:
-    """(step, prompt order, bad-step streak, the micro-batch sizes it recorded) of the newest checkpoint every rank
-    can load, weights synced into vLLM; (0, [], 0, {}) for a new run. One whose files fail their CRC on any rank:
-    the one before."""
+def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tuple[int, list[int], int, Path | None]:
+    """(step, prompt order, bad-step streak, the checkpoint) of the newest checkpoint every rank can load, weights
+    synced into vLLM; (0, [], 0, None) for a new run. One whose files fail their CRC on any rank: the one before."""
     for ckpt in checkpoints:  # newest first
         errors = [e for e in all_gather_objects(damaged_shard(ckpt, rank)) if e]
         if not errors:
@@ -1270,14 +1385,14 @@ def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tu
             sync_weights_to_vllm(engine, llm)
             if rank == 0:
                 print(f"[grpo] resuming from {ckpt} (step {state['step']})", flush=True)
-            return state["step"], state["order"], state["bad_streak"], state.get("sizes", {})
+            return state["step"], state["order"], state["bad_streak"], ckpt
         if rank == 0:
             print(f"[grpo] {errors[0]}: " + ("falling back to the previous checkpoint" if ckpt != checkpoints[-1]
                                              else "no earlier checkpoint"), flush=True)
     if checkpoints:
         sys.exit(f"train_grpo.py: error: no checkpoint of {out_dir / 'checkpoints'} could be loaded; "
                  "repair the named file, or use another --output-dir")
-    return 0, [], 0, {}
+    return 0, [], 0, None
 
 
 def sample_and_score(llm, rows: list[dict], prompt_indices: list[int], n: int, temperature: float, top_p: float,
@@ -1320,6 +1435,7 @@ def main(argv: list[str] | None = None) -> None:
     args, world, ds_config, checkpoints = checked_launch(argv)
     out_dir = Path(args.output_dir)
     rank, local_rank = init_distributed(out_dir, checkpoints, world)
+    note_ranks(out_dir, rank, all_gather_objects)  # a rank that dies without a word is named by the others
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -1335,14 +1451,25 @@ def main(argv: list[str] | None = None) -> None:
     seed_rngs(args.seed + rank)
     model_path, tokenizer, train_rows, dropped, eval_rows = load_data(args, local_rank)
     seeded = rng_state()
+    if cuda:
+        stop_all(device_fit(args, model_path, ds_config, world, local_rank))
     engine, ref_engine, llm = build_engines(args, model_path, ds_config, rank, local_rank)
     set_rng_state(seeded)  # vLLM's worker reseeded Python, NumPy and torch (gpu_worker.py: set_random_seed)
-    start, order, bad_streak, sizes = resume(engine, llm, checkpoints, out_dir, rank)
-    if sizes.pop("device", None) == device.type and not SIZE_FLAGS & set(args.flags_given):
-        vars(args).update(sizes)  # the run's own budget, not measured anew: --deterministic cuts the same micro-batches
-        if rank == 0:
-            print("[grpo] micro-batches as the run recorded them: " + ", ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in sorted(sizes.items())), flush=True)
+    start, order, bad_streak, resumed = resume(engine, llm, checkpoints, out_dir, rank)
+    try:  # checked at the launch, unless resume fell back to an older checkpoint
+        recorded = recorded_sizes(resumed, args, world) if resumed else {}
+    except ValueError as e:
+        sys.exit(f"train_grpo.py: error: {e}")
+    here = device_record(cuda, local_rank, args.vllm_gpu_memory)
+    sizes, cap = resumed_sizes(recorded, here, args.flags_given)
+    vars(args).update(sizes)  # the run's own budget, not measured anew: --deterministic cuts the same micro-batches
+    if rank == 0 and sizes:
+        print("[grpo] micro-batches as the run recorded them: " + ", ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in sorted(sizes.items())), flush=True)
+    elif rank == 0 and recorded and not SIZE_FLAGS & set(args.flags_given):  # recorded on another device
+        print(f"[grpo] {resumed.name} cut its micro-batches on {device_words(recorded)}, this launch runs on "
+              f"{device_words(here)}: " + (f"the token budget is measured anew at the first update, at most the "
+                                           f"recorded {cap} tokens" if cap else "sizes of its own"), flush=True)
     if rank == 0:
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
               f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}, policy loss {args.policy_loss} ("
@@ -1359,12 +1486,17 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(range(start + 1, args.steps + 1), desc=f"grpo[{args.agg}]", disable=rank != 0, dynamic_ncols=True,
                initial=start, total=args.steps)
     for step in bar:
+        LAUNCH["step"] = step  # a rank that dies is named with it
         timer, rstats = {}, {}
         # 1-2. rollout and reward: this rank's share of the step's prompts, G scored responses each
         rollouts, order, sampling = sample_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
                                                 lambda text: bar.set_postfix_str(text, refresh=True))
+        rollouts, balance = balance_ranks(rollouts, args.group_size, args.minibatches, rank, world)
         if cuda and (budget := memory_to_update(llm, engine, args, rank)) is not None:
-            args.micro_batch_tokens = budget  # --micro-batch-tokens, measured: recorded with the checkpoints
+            args.micro_batch_tokens = min(budget, cap or budget)  # --micro-batch-tokens: recorded with the checkpoints
+            if rank == 0 and cap and cap < budget:
+                print(f"[grpo] micro-batches of up to {cap} tokens, as the run recorded them: not the {budget} "
+                      "measured here", flush=True)
 
         # 3. advantages within each group
         adv = advantages(torch.tensor([r["reward"] for r in rollouts], dtype=torch.float64), args)
@@ -1376,7 +1508,7 @@ def main(argv: list[str] | None = None) -> None:
         sums = update(engine, ref_engine, rollouts, adv, args, device, world, timer)
         memory = gpu_memory() if cuda else None
         metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory, all_reduce),
-                   "lr": lr, **sampling}
+                   "lr": lr, **sampling, **balance}
         if nonfinite := nonfinite_weights(engine):  # nothing of it is synced, evaluated or saved
             log(step, {**metrics, "train/nonfinite_weights": nonfinite})
             close_loggers()
@@ -1398,7 +1530,7 @@ def main(argv: list[str] | None = None) -> None:
         stop = bad_streak >= args.max_bad_steps
         if step % args.save_interval == 0 or step == args.steps or stop:
             state = {"step": step, "order": order, "bad_streak": bad_streak, "run": run_identity(vars(args)),
-                     "sizes": {"device": device.type, **{k: getattr(args, k) for k in SIZE_FLAGS}}}
+                     "sizes": {**here, **{k: getattr(args, k) for k in SIZE_FLAGS}}}
             save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
             if rank == 0:  # the arguments that trained these checkpoints
                 (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))

@@ -66,6 +66,11 @@ OFFLOAD_CASES = [("seq", "ppo", 0), ("token-batch", "ppo", 0), ("balanced", "ppo
 # and ranks whose counts differ until rank_micro_batches evens them out
 TOKEN_CASES = [("balanced", "ppo", 0), ("token-batch", "ppo", 1)]
 TOKENS = 34
+# a batch whose groups' tokens are uneven across the ranks as sampled (seed 4: 131 against 107 tokens), trained
+# as sampled ("-sampled") and with each mini-batch's groups dealt anew by their tokens ("-dealt": balance_ranks,
+# as main does; 120 against 118)
+DEALT_CASES = [("balanced", "ppo", 0), ("token-batch", "ppo", 0)]
+UNEVEN_SEED = 4
 
 
 def case_name(agg: str, loss: str, rounds: int) -> str:
@@ -87,19 +92,26 @@ def main() -> None:
     # each rule, each policy loss, dynamic sampling, and some again with ZeRO-3's optimizer offloaded to
     # the CPU (its step reads the accumulation-boundary flag that DeepSpeed's backward prologue sets)
     # and every case again through the padded path (--padded), to hold packed rows to it
-    runs = [(c, False, 0, False) for c in CASES] + [(c, True, 0, False) for c in OFFLOAD_CASES] + \
-        [(c, False, TOKENS, False) for c in TOKEN_CASES] + [(c, False, 0, True) for c in CASES]
-    for (agg, loss_name, rounds), offload, tokens, padded in runs:
+    runs = [(c, False, 0, False, False) for c in CASES] + [(c, True, 0, False, False) for c in OFFLOAD_CASES] + \
+        [(c, False, TOKENS, False, False) for c in TOKEN_CASES] + [(c, False, 0, True, False) for c in CASES] + \
+        [(c, False, 0, False, deal) for c in DEALT_CASES for deal in ("sampled", "dealt")]
+    for (agg, loss_name, rounds), offload, tokens, padded, dealt in runs:
         attention = train_grpo.attention_implementation(argparse.Namespace(padded=padded, deterministic=False))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
         G = 4
         if rounds:
             local, adv = dealt_batch(model.config.vocab_size, rank, world, rounds)
         else:
-            rollouts, rewards = fixed_batch(model.config.vocab_size)
+            rollouts, rewards = fixed_batch(model.config.vocab_size, seed=UNEVEN_SEED if dealt else 0)
             adv_all = train_grpo.group_advantages(rewards, G)
             n_local = len(rollouts) // world  # whole groups per rank
             local, adv = rollouts[rank * n_local : (rank + 1) * n_local], adv_all[rank * n_local : (rank + 1) * n_local]
+        moved = 0
+        if dealt == "dealt":
+            mine = {id(r) for r in local}
+            local, _ = train_grpo.balance_ranks(local, G, 1, rank, world)
+            moved = sum(id(r) not in mine for r in local)
+            adv = train_grpo.group_advantages(torch.tensor([r["score"] for r in local], dtype=torch.float64), G)
         for r, a in zip(local, adv.tolist()):
             r["advantage"] = a
         n_local = 16 // world  # the engine's batch: a short dynamic-sampling step has fewer
@@ -144,13 +156,15 @@ def main() -> None:
             with deepspeed.zero.GatheredParameters([p]):
                 delta[name] = (p.data - before[name]).clone()
         key = case_name(agg, loss_name, rounds) + ("-offload" if offload else "-tokens" if tokens else
-                                                   "-padded" if padded else "")
+                                                   "-padded" if padded else f"-{dealt}" if dealt else "")
         parts = train_grpo.rank_micro_batches(local, args.micro_batch_size, tokens, not padded)
         own = train_grpo.micro_batches([len(r["tokens"]) for r in local], None, tokens, packed=not padded)
         results[key] = {"delta": delta, "loss": loss.item(), "prologues": len(prologues),
                         "logp": torch.cat([r["logp"] for r in probe]), "padded": padded,
                         "micro_steps": len(parts) if tokens else math.ceil(len(local) / micro),
                         "responses": len(local) * world, "clipped": sums["clipped"],
+                        "moved": int(train_grpo.all_reduce([moved]).item()),
+                        "tokens": train_grpo.all_gather_objects(sum(len(r["tokens"]) for r in local)),
                         "evened": bool(train_grpo.all_reduce([tokens and len(own) != len(parts)], "max").item())}
     if rank == 0:
         torch.save(results, out)

@@ -106,6 +106,8 @@ def test_update_path_without_vllm_resumes_exactly(tmp_path):
         assert c["straight"]["ref_kl"] > 0 and c["straight"]["tokens"] > 64  # KL live, several log-prob chunks
         assert c["change"] > 0 and c["loaded_diff"] == 0 and c["redone_diff"] == 0  # exact on the CPU
         assert c["again"] == c["straight"] and c["redo_rel"] == 0
+        # the CPU's packed path: each sequence through SDPA (test_gpu.py requires the flash kernel on CUDA)
+        assert set(c["attention"]) == {"sdpa"} and c["attention"]["sdpa"] > 0, c["attention"]
         # CUDA's default-mode criterion (test_gpu.py) catches a resume that fails to restore Adam's moments or
         # its step count: each moves the redo by far more than the tolerance
         assert set(c["faults"]) == {"moments", "step"}
@@ -136,6 +138,42 @@ def test_update_benchmark_prints_mfu_and_the_forward_only_batch_cuts_gathers(tmp
     # every pass gathers every parameter (release forced, as at 7B): 4x fewer passes, 4x less gathered
     assert after["gathered_x_params"] == pytest.approx(before["gathered_x_params"] / 4, rel=0.01)
     assert after["gathered_x_params"] >= 1  # one pass, a full gather
+
+
+def test_attention_calls_count_the_path_packed_attention_took(demo_dir):
+    """train_grpo.ATTENTION_CALLS, what tests/update_check.py reports and test_gpu.py holds to attention_kind (a torch
+    whose varlen_attn lacks enable_gqa/window_size falls back from the flash kernel to one sequence at a time): on
+    the CPU each sequence through SDPA, its math kernel under --deterministic, padded rows through SDPA with their
+    mask; one call a layer."""
+    import argparse
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import train_grpo as T
+
+    packed = argparse.Namespace(padded=False, deterministic=False)
+    model = AutoModelForCausalLM.from_pretrained(demo_dir / "model", dtype=torch.float32,
+                                                 attn_implementation=T.attention_implementation(packed))
+    model.module = model  # token_logprobs reads the lm_head of a DeepSpeed engine's .module
+    mb = [{"tokens": [5, 6, 7, 8, 9], "prompt_len": 2}, {"tokens": [10, 11, 12], "prompt_len": 1}]
+
+    def calls(padded: bool, deterministic: bool = False) -> dict:
+        T.ATTENTION_CALLS.clear()
+        ids, resp, inputs = T.model_inputs(mb, argparse.Namespace(padded=padded, pad_id=0), torch.device("cpu"))
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            with torch.no_grad():
+                T.token_logprobs(model, ids, resp, inputs, 1.0, 4)
+        finally:
+            torch.use_deterministic_algorithms(was)
+        return dict(T.ATTENTION_CALLS)
+
+    layers = model.config.num_hidden_layers
+    assert calls(padded=False) == {"sdpa": layers}
+    assert calls(padded=False, deterministic=True) == {"math": layers}
+    assert calls(padded=True) == {"sdpa-masked": layers}
 
 
 def test_engine_seeding_leaves_requests_unseeded():
@@ -199,6 +237,45 @@ def test_gpu_check_installs_from_wheels_whatever_version_torch_reports(tmp_path)
     assert f"deepspeed {PINS['deepspeed']}, vllm missing" in [x for x in lines if "torch 2.13.0+cu130" in x][-1]
     # the node's torch is still its own: held, not replaced
     assert (torch_dir / "__init__.py").read_text() == '__version__ = "2.13.0+cu130"\n' and info.exists()
+    assert res.returncode == 1 and lines[-1].endswith("nothing can run without torch and pytest in "
+                                                      f"{node / 'bin' / 'python'}")
+
+
+@pytest.mark.slow  # a venv and pip: about 6 s
+def test_gpu_check_leaves_what_pip_cannot_pin_unheld(tmp_path):
+    """A system Python carries distributions whose versions are not PEP 440 (Ubuntu's distro-info 1.1build1,
+    python-debian 0.1.43ubuntu1, in /usr/lib/python3/dist-packages: on the path, not where pip installs): pip 24.1
+    and later refuse such a constraint line, so holding every distribution made every install fail."""
+    import importlib.metadata as md
+    import shutil
+
+    from packaging.version import Version
+
+    pip = md.distribution("pip")  # not imported: setuptools' distutils shim warns at pip's import
+    assert Version(pip.version) >= Version("24.1"), f"pip {pip.version} here: requirements-cpu.txt's pip>=24.1"
+    node = tmp_path / "node"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(node)], check=True)
+    site = Path(subprocess.run([str(node / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip())
+    # this environment's pip copied into the node (no index, no wheel): its package and its dist-info
+    for name in ("pip", f"pip-{pip.version}.dist-info"):
+        shutil.copytree(pip.locate_file(name), site / name)
+    (node / "dist-packages").mkdir()
+    (site / "dist-packages.pth").write_text(f"{node / 'dist-packages'}\n")  # as Debian's site.py adds it
+    (info := node / "dist-packages" / "distro_info-1.1build1.dist-info").mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: distro-info\nVersion: 1.1build1\n")
+    (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    # a requirement the node meets with its unpinnable copy (any version does), and one it lacks
+    fake_wheel(wheels, "deepspeed", PINS["deepspeed"], ["distro-info", "hjson"])
+    fake_wheel(wheels, "hjson", "3.1.0", [])
+    res = gpu_check(str(node / "bin" / "python"), tmp_path, GPU_CHECK_FORCE="1", GPU_CHECK_WHEELS=str(wheels))
+    lines = res.stdout.splitlines()
+    assert f"[gpu check] installed deepspeed=={PINS['deepspeed']} with hjson" in lines, res.stdout
+    assert "[gpu check] not held (not PEP 440 versions, pip cannot pin them): distro-info 1.1build1" in lines
+    assert info.exists() and (site / "deepspeed" / "__init__.py").exists() and (site / "hjson").is_dir()
+    assert not list(site.glob("distro_info*"))  # the node's own copy, not one beside it
     assert res.returncode == 1 and lines[-1].endswith("nothing can run without torch and pytest in "
                                                       f"{node / 'bin' / 'python'}")
 
@@ -337,9 +414,15 @@ def test_memory_model_counts_what_a_micro_batch_holds(shape):
         for kind in ("flash", "math", "eager", "sdpa-masked"):
             model = memory_model(cfg, True, 1024, kind, 4096, 1e9)
             budget = token_budget(model, free, 4096)
-            # at the default budget a micro-batch fits 90% of the free memory, and one token more would not
-            assert budget > 4096 and model["fixed"] + budget * model["per_token"] <= 0.9 * free
-            assert model["fixed"] + (budget + 1) * model["per_token"] > 0.9 * free
+            # at the default budget a micro-batch, with the gradients in flight at its backward's end, fits 90% of
+            # the free memory, and one token more would not
+            beside = model["fixed"] + model["gradients in flight"]
+            assert budget > 4096 and beside + budget * model["per_token"] <= 0.9 * free
+            assert beside + (budget + 1) * model["per_token"] > 0.9 * free
+            # before the first optimizer step the free memory still has Adam's moments to make room for
+            early = token_budget(model, free, 4096, to_come=model["first step"])
+            assert early < budget and (early == 4096 or  # one longest sequence at least, fitting or not
+                                       beside + early * model["per_token"] <= 0.9 * (free - model["first step"]))
     # --deterministic (math or eager scores): the former estimate, with no term for the scores, gave a budget whose
     # eager attention alone needs more than the whole device
     former = (80 * gib // 2 - 12 * 1024 * vocab) // (2 * h * (L + 2) + 2 * (10 * h + 4 * i))
@@ -358,3 +441,66 @@ def test_gpu_wheels_takes_its_directory_relative_to_the_caller(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and (tmp_path / "here" / "wheels").is_dir() and not (ROOT / "wheels").exists()
     assert "No such file" not in res.stderr  # the relative Python was found from the caller's folder
+
+
+# devices as torch.cuda.get_device_properties reports them (total_memory in bytes)
+H100 = ("NVIDIA H100 80GB HBM3", 85_520_809_984)
+H200 = ("NVIDIA H200", 150_011_707_392)
+
+
+def device_fit(monkeypatch, tmp_path, shape: str, device: tuple[str, int], world: int, *flags: str,
+               ds_config: dict | None = None) -> str | None:
+    """train_grpo.device_fit on a simulated CUDA device, for a model directory of `shape` (a config, no weights)."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import Qwen2Config
+
+    import train_grpo as T
+    from scripts.bench_step import SHAPES
+
+    model = tmp_path / shape
+    Qwen2Config(**SHAPES[shape]).save_pretrained(model)
+    name, total = device
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(name=name, total_memory=total))
+    args = T.parse_args(["--model", str(model), "--max-prompt-len", "1024", "--max-response-len", "3072",
+                         "--logprob-chunk", "1024", *flags])
+    config = ds_config if ds_config is not None else T.deepspeed_config(args, world, bf16=True)
+    return T.device_fit(args, str(model), config, world, 0)
+
+
+def test_a_configuration_that_cannot_fit_its_devices_is_refused_before_any_engine(monkeypatch, tmp_path):
+    # the paper's command: Qwen2.5-7B on 8 H100s, the default vLLM share: its states, 16 GiB a rank with Adam's
+    # moments, beside vLLM's 56 GiB share (and, vLLM asleep, the update)
+    assert device_fit(monkeypatch, tmp_path, "qwen2.5-7b", H100, 8) is None
+    # 7B on one H200: 18 B a parameter is 128 GiB of 140 before vLLM or a token; no share fits, more GPUs do
+    line = device_fit(monkeypatch, tmp_path, "qwen2.5-7b", H200, 1)
+    assert line.startswith("7.62B parameters keep 127.9 GiB a rank on 1 GPU(s)") and "\n" not in line
+    assert "use at least 4 GPUs or offload the optimizer" in line and "--vllm-gpu-memory to" not in line
+    assert "NVIDIA H200" in line and "(docs/gpu.md)" in line
+    # with the optimizer offloaded it keeps 2 B a parameter on the device and fits
+    import train_grpo as T
+
+    args = T.parse_args(["--model", "demo"])
+    offload = T.deepspeed_config(args, 1, bf16=True)
+    offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert device_fit(monkeypatch, tmp_path, "qwen2.5-7b", H200, 1, ds_config=offload) is None
+    # 3B on one H200 at the default share: vLLM's 98 GiB do not fit beside 52 GiB of states; a smaller share does
+    line = device_fit(monkeypatch, tmp_path, "qwen2.5-3b", H200, 1)
+    assert "lower --vllm-gpu-memory to 0.60" in line
+    assert device_fit(monkeypatch, tmp_path, "qwen2.5-3b", H200, 1, "--vllm-gpu-memory", "0.6") is None
+    # 1.5B on one H100 at the default share, as the share the line names
+    line = device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1)
+    assert "lower --vllm-gpu-memory to 0.64" in line
+    assert device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1, "--vllm-gpu-memory", "0.64") is None
+
+
+def test_the_trainer_sets_expandable_segments_unless_the_user_chose(tmp_path):
+    # read by torch's CUDA allocator at its first allocation: set on import, before any engine; a user's own kept
+    code = "import os, train_grpo; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+    env = {k: v for k, v in cpu_env().items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip().splitlines()[-1] == "expandable_segments:True", res.stderr[-2000:]
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:512"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip().splitlines()[-1] == "max_split_size_mb:512", res.stderr[-2000:]

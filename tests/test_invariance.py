@@ -60,6 +60,17 @@ def test_token_budget_micro_batches_give_the_same_gradient(case, deltas):
     assert deltas[2]["balanced-tokens"]["evened"] or deltas[2]["dynamic-1-tokens"]["evened"]
 
 
+@pytest.mark.parametrize("case", ["balanced", "token-batch"])  # grad_probe.DEALT_CASES
+def test_groups_dealt_by_tokens_give_the_same_gradient(case, deltas):
+    # each rank's groups dealt anew by their tokens (balance_ranks): on 2 ranks groups move and the ranks' tokens
+    # even out, and the gradient is the contiguous dealing's and the 1-rank full batch's
+    two, sampled = deltas[2][f"{case}-dealt"], deltas[2][f"{case}-sampled"]
+    assert two["moved"] > 0 and deltas[1][f"{case}-dealt"]["moved"] == sampled["moved"] == 0
+    assert max(two["tokens"]) - min(two["tokens"]) < max(sampled["tokens"]) - min(sampled["tokens"])
+    assert_same_gradient(deltas[1][f"{case}-sampled"], two)  # the 1-rank full batch
+    assert_same_gradient(sampled, two)  # the same 2 ranks, each training what it sampled
+
+
 def test_the_cases_give_different_gradients(deltas):
     # guards against a probe that ignores the rule, the loss or the sampling: each case's gradient differs
     # from the others' (the two sum rules only by a constant: dr-grpo's 1 / L_max)
