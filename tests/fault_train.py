@@ -8,6 +8,8 @@ trainer itself reads no fault switch). Launched as `deepspeed tests/fault_train.
                                 logits are s times the trainer's: a rollout-trainer mismatch
     GRPO_FAULT_INF_LR_STEP=k    the first optimizer update from step k on runs at lr = inf: an update that
                                 makes the weights non-finite from finite gradients
+    GRPO_FAULT_KILL_RANK=r:k    rank r SIGKILLs itself in step k, its rollout done (as the OOM killer ends a
+                                rank: without a word, its peers left in the step's next collective)
 """
 
 import functools
@@ -23,6 +25,7 @@ NAN_STEP = int(os.environ.get("GRPO_FAULT_NAN_STEP", "-1"))
 KILL_STEP = int(os.environ.get("GRPO_FAULT_KILL_IN_SAVE", "-1"))
 SCALE = float(os.environ.get("GRPO_FAULT_SCALE_VLLM", "1"))
 INF_LR_STEP = int(os.environ.get("GRPO_FAULT_INF_LR_STEP", "-1"))
+KILL_RANK, KILL_RANK_STEP = map(int, os.environ.get("GRPO_FAULT_KILL_RANK", "-1:-1").split(":"))
 current = {"step": 0}
 
 
@@ -32,6 +35,8 @@ def rollout(llm, rows, args, step, first_index):
 
 
 def advantages(*a, **kw):
+    if current["step"] == KILL_RANK_STEP and int(os.environ.get("RANK", "0")) == KILL_RANK:
+        os.kill(os.getpid(), signal.SIGKILL)
     adv = real_advantages(*a, **kw)
     return adv * float("nan") if current["step"] == NAN_STEP else adv
 

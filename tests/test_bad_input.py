@@ -908,3 +908,102 @@ def test_a_run_recorded_with_the_cpus_defaults_relaunches_on_cuda(tmp_path, monk
                                                    "--resume")):
         check_output_dir(train_grpo.parse_args([*model, "--logprob-chunk", "512"]), run, 1)
     # (--resume itself needs a checkpoint: test_checkpoints_carry_the_run_identity)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The micro-batch sizes a checkpoint records: checked as the flags are, reused only on the device they were cut for
+
+
+SIZES = {"device": "cpu", "micro_batch_size": 4, "micro_batch_tokens": 0, "logprob_batch_size": 16}
+
+
+def recorded_sizes(tmp_path, sizes) -> dict:
+    """train_grpo.recorded_sizes of a checkpoint whose trainer_state.json holds these sizes (--model demo)."""
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "order": [], "bad_streak": 0, "sizes": sizes}))
+    return train_grpo.recorded_sizes(ckpt, train_grpo.parse_args(["--output-dir", str(tmp_path)]), 1)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"agg": "token"}, "\"sizes\" holds 'agg', which no run records there"),  # another rule, slipped in
+    # the wrong type: each as the parser takes (or refuses) its flag string, the value as it came back
+    ({"micro_batch_size": "four"}, "key micro_batch_size: argument --micro-batch-size: invalid int value: 'four'"),
+    ({"micro_batch_size": "4"}, 'key micro_batch_size: "4" is a string, where --micro-batch-size takes an integer'),
+    ({"logprob_batch_size": [16]}, "key logprob_batch_size: argument --logprob-batch-size: invalid int value: '[16]'"),
+    ({"micro_batch_tokens": 4.0}, "key micro_batch_tokens: argument --micro-batch-tokens: invalid int value: '4.0'"),
+    ({"micro_batch_size": None}, "key micro_batch_size: --micro-batch-size must be a number without a token budget"),
+    ({"micro_batch_tokens": None}, "key micro_batch_tokens: --micro-batch-tokens must be a number on the CPU"),
+    ({"vllm_gpu_memory": None}, "key vllm_gpu_memory: null is not a number"),
+    ({"device": 1}, "key device: 1 is not a name"),
+    # out of range, as check_args says it of the flag
+    ({"micro_batch_size": -4}, "key micro_batch_size: --micro-batch-size must be at least 1 (got -4)"),
+    ({"micro_batch_size": 0}, "key micro_batch_size: --micro-batch-size must be at least 1 (got 0)"),
+    ({"micro_batch_size": 2.5}, "key micro_batch_size: argument --micro-batch-size: invalid int value: '2.5'"),
+    ({"micro_batch_tokens": -100}, "key micro_batch_tokens: --micro-batch-tokens must be >= 0 (got -100"),
+    ({"micro_batch_tokens": 99.5}, "key micro_batch_tokens: argument --micro-batch-tokens: invalid int value: '99.5'"),
+    ({"logprob_batch_size": -1}, "key logprob_batch_size: --logprob-batch-size must be at least 1 (got -1)"),
+    ({"logprob_batch_size": 0}, "key logprob_batch_size: --logprob-batch-size must be at least 1 (got 0)"),
+    ({"logprob_batch_size": 0.5}, "key logprob_batch_size: argument --logprob-batch-size: invalid int value: '0.5'"),
+    ({"vllm_gpu_memory": 1.5}, "key vllm_gpu_memory: --vllm-gpu-memory must be in (0, 1) (got 1.5)"),
+])
+def test_recorded_sizes_are_checked_as_the_flags_are(change, message, tmp_path):
+    with pytest.raises(ValueError) as e:
+        recorded_sizes(tmp_path, {**SIZES, **change})
+    state = tmp_path / "checkpoints" / "step_000001" / "trainer_state.json"
+    said = message if message.startswith('"sizes"') else f'"sizes" {message}'
+    assert str(e.value).startswith(f"{state}: {said}") and str(e.value).endswith("; repair the file")
+
+
+def test_recorded_sizes_as_the_trainer_writes_them_pass(tmp_path):
+    cuda = {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "device_memory": 85_031_714_816,
+            "vllm_gpu_memory": 0.7, "micro_batch_size": None, "micro_batch_tokens": 60_000, "logprob_batch_size": None}
+    for sizes in ({}, SIZES, cuda, {"device": "cpu", "micro_batch_size": None, "micro_batch_tokens": 37,
+                                    "logprob_batch_size": None}):
+        assert recorded_sizes(tmp_path, sizes) == sizes
+    with pytest.raises(ValueError, match='"sizes" must be a JSON object of the micro-batch sizes'):
+        recorded_sizes(tmp_path, [4, 0, 16])
+
+
+H100 = {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "device_memory": 85_031_714_816,
+        "vllm_gpu_memory": 0.7}
+
+
+def test_a_resume_reuses_the_recorded_sizes_only_on_the_device_they_were_cut_for():
+    sizes = {"micro_batch_size": None, "micro_batch_tokens": 60_000, "logprob_batch_size": None}
+    record = {**H100, **sizes}
+    assert grpo_run.resumed_sizes(record, H100, ["lr"]) == (sizes, None)
+    # another model, another memory, another share for vLLM: measured anew, at most the recorded budget
+    for other in ({"device_name": "NVIDIA H200"}, {"device_memory": 150_121_095_168}, {"vllm_gpu_memory": 0.5}):
+        assert grpo_run.resumed_sizes(record, {**H100, **other}, []) == ({}, 60_000)
+    older = {"device": "cuda", **sizes}  # recorded before the model and memory were
+    assert grpo_run.resumed_sizes(older, H100, []) == ({}, 60_000)
+    # the CPU and CUDA: nothing reused either way, and no budget to cap with (0 on the CPU: none)
+    assert grpo_run.resumed_sizes(record, {"device": "cpu"}, []) == ({}, None)
+    assert grpo_run.resumed_sizes(SIZES, H100, []) == ({}, None)
+    assert grpo_run.resumed_sizes(SIZES, {"device": "cpu"}, []) == ({k: SIZES[k] for k in grpo_run.SIZE_FLAGS}, None)
+    # a size flag given: none reused; on CUDA the recorded budget still caps a measured one
+    assert grpo_run.resumed_sizes(record, H100, ["micro_batch_size"]) == ({}, 60_000)
+    assert grpo_run.resumed_sizes(SIZES, {"device": "cpu"}, ["logprob_batch_size"]) == ({}, None)
+    assert grpo_run.resumed_sizes({}, H100, []) == ({}, None)  # a checkpoint older than the record
+    assert grpo_run.device_record(False, 0, 0.7) == {"device": "cpu"}
+    assert grpo_run.device_words(record) == "NVIDIA H100 80GB HBM3 (79.2 GiB, --vllm-gpu-memory 0.7)"
+
+
+@pytest.mark.slow  # trainer processes: imports and a DeepSpeed start, 5-10 s each
+def test_a_checkpoint_whose_sizes_were_edited_is_refused_before_any_engine(tmp_path):
+    # applied as they were, "agg" once trained the next step with another rule and rewrote args.json, and a
+    # negative size was taken
+    out = tmp_path / "run"
+    checkpointed_run(out, steps=2)
+    before = (out / "args.json").read_bytes()
+    state = out / "checkpoints" / "step_000002" / "trainer_state.json"
+    record = json.loads(state.read_text())
+    for sizes, message in (({**SIZES, "agg": "token"}, "\"sizes\" holds 'agg', which no run records there"),
+                           ({**SIZES, "micro_batch_size": -4},
+                            '"sizes" key micro_batch_size: --micro-batch-size must be at least 1 (got -4)')):
+        state.write_text(json.dumps({**record, "sizes": sizes}))
+        res = run("train_grpo.py", "--output-dir", str(out), "--steps", "3")
+        one_line_error(res, f"train_grpo.py: error: {state}: {message}")
+        assert "resuming from" not in res.stdout and "training prompts" not in res.stdout
+        assert (out / "args.json").read_bytes() == before

@@ -164,6 +164,44 @@ def test_a_resume_cuts_the_micro_batches_its_run_recorded(reference_run, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_rank_killed_in_a_step_is_named_with_the_checkpoint_to_resume_from(tmp_path, demo_dir):
+    """Rank 1 SIGKILLed in step 3 (as the OOM killer ends a rank), under the real launcher: the launch ends in one
+    line naming it and where the same command resumes, not in the survivor's traceback of a broken collective."""
+    out = tmp_path / "run"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", "29639",
+           "tests/fault_train.py", "--output-dir", str(out), *RUN, "--steps", "4"]
+    res = subprocess.run(cmd, cwd=ROOT, env=cpu_env(GRPO_FAULT_KILL_RANK="1:3"), capture_output=True, text=True,
+                         timeout=600)
+    said = res.stdout + res.stderr
+    assert res.returncode != 0 and "Traceback" not in said, said[-3000:]
+    pid = int((out / ".rank1.pid").read_text().split()[1])  # left by the killed rank, as it wrote it at its start
+    assert [x for x in said.splitlines() if x.startswith("train_grpo.py")] == [
+        f"train_grpo.py: error: rank 1 (pid {pid}) died during step 3 (killed by a signal, e.g. the OOM killer); "
+        f"the same command resumes the run from {out}/checkpoints/step_000002 (step 2)"]
+    assert not (out / ".rank0.pid").exists()  # the survivor ended on its own
+
+
+def test_a_rank_gone_with_its_file_left_died_and_one_that_removed_it_ended(tmp_path, monkeypatch):
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host = socket.gethostname()
+    ranks = [(os.getpid(), host), (killed.pid, host), (ended.pid, host), (killed.pid, "another-node")]
+    monkeypatch.setattr(grpo_run, "LAUNCH", {"ranks": ranks, "rank": 0, "out_dir": tmp_path, "step": 3})
+    for r in range(4):
+        grpo_run.rank_file(tmp_path, r).write_text("")
+    grpo_run.rank_file(tmp_path, 2).unlink()  # as one_line_early_ends removes it, however the rank ends
+    assert grpo_run.dead_ranks() == ([], [2])
+    killed.kill()
+    deadline = time.time() + 10
+    while not grpo_run.process_gone(killed.pid) and time.time() < deadline:  # unreaped: a zombie, as a launcher's
+        time.sleep(0.01)                                                    # rank is until it polls
+    assert grpo_run.dead_ranks() == ([1], [2])  # (rank 3, on another node, cannot be seen from here)
+    killed.wait()
+    assert grpo_run.dead_ranks() == ([1], [2])
+
+
+@pytest.mark.slow
 def test_non_finite_step_is_skipped_and_too_many_stop_the_run(tmp_path, demo_dir):
     out = tmp_path / "run"
     res = train(out, "--save-interval", "1", "--max-bad-steps", "1", env=cpu_env(GRPO_FAULT_NAN_STEP="2"),
