@@ -935,6 +935,34 @@ def token_budget(model: dict[str, float], free_bytes: int, longest: int, to_come
     return int(max(room // model["per_token"], longest))
 
 
+def trainer_memory(engine, args, longest: int, attention: str) -> dict[str, float]:
+    """memory_model of this engine's model, attention kernel (train_grpo.attention_kind) and ZeRO-3 settings (CUDA's
+    bf16 path), its states partitioned over the engine's ranks."""
+    return memory_model(engine.module.config, engine.module.is_gradient_checkpointing, args.logprob_chunk, attention,
+                        longest, engine.zero_max_live_parameters(), engine.world_size, engine.zero_reduce_bucket_size())
+
+
+def device_fit(args, model_path: str, ds_config: dict, world: int, local_rank: int, attention: str) -> str | None:
+    """CUDA, before any engine starts: whether the model's ZeRO-3 states, Adam's moments, an update of one longest
+    sequence and vLLM's share fit this rank's device (device_fit_problem); the problem in one line."""
+    from transformers import AutoConfig
+
+    zero, longest = ds_config["zero_optimization"], args.max_prompt_len + args.max_response_len
+    model = memory_model(AutoConfig.from_pretrained(model_path), args.gradient_checkpointing is not False,
+                         args.logprob_chunk, attention, longest,
+                         zero.get("stage3_max_live_parameters", 1e9), world, zero.get("reduce_bucket_size", 5e8))
+    device = torch.cuda.get_device_properties(local_rank)
+    offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    return device_fit_problem(model, device.total_memory, device.name, args.vllm_gpu_memory, world, longest, offload)
+
+
+def states_to_come(engine, model: dict[str, float]) -> float:
+    """Bytes of Adam's moments the device has yet to hold: torch's AdamW makes them at its first step (none once
+    it has stepped or a checkpoint loaded them; none on the device with optimizer offload)."""
+    offload = str(getattr(engine.zero_offload_optimizer(), "device", "none")).endswith("none") is False
+    return 0.0 if engine.optimizer.optimizer.state or offload else model["first step"]
+
+
 def device_fit_problem(model: dict[str, float], total: int, device_name: str, vllm_share: float, world: int,
                        longest: int, offload: bool) -> str | None:
     """Whether a rank of `world` fits a device of `total` bytes. It keeps its ZeRO-3 states with Adam's moments
@@ -962,6 +990,27 @@ def device_fit_problem(model: dict[str, float], total: int, device_name: str, vl
             f"{vllm_share} takes and the {update / 2**30:.1f} GiB of a longest sequence's update, on a "
             f"{total / 2**30:.1f} GiB {device_name}: " + (" or ".join(ways) or "it does not fit this device")
             + " (docs/gpu.md)")
+
+
+def balanced_deal(tokens: list[int], world: int) -> list[list[int]]:
+    """Groups (indices of `tokens`, a group's tokens each) dealt to `world` ranks, as many to each: the largest
+    first, each to the rank with the fewest tokens that still has room (LPT); then, while one lowers it, the
+    heaviest rank swaps a group with another rank's (the swap leaving the lower maximum of the two)."""
+    per, load, parts = len(tokens) // world, [0] * world, [[] for _ in range(world)]
+    for g in sorted(range(len(tokens)), key=lambda g: (-tokens[g], g)):
+        r = min((r for r in range(world) if len(parts[r]) < per), key=lambda r: (load[r], r))
+        parts[r].append(g)
+        load[r] += tokens[g]
+    for _ in range(len(tokens) * world):
+        hi = max(range(world), key=lambda r: (load[r], -r))
+        swaps = [(max(load[hi] - d, load[r] + d), r, a, b) for r in range(world) for a in parts[hi] for b in parts[r]
+                 if 0 < (d := tokens[a] - tokens[b]) < load[hi] - load[r]]
+        if not swaps:
+            break
+        _, r, a, b = min(swaps)
+        parts[hi][parts[hi].index(a)], parts[r][parts[r].index(b)] = b, a
+        load[hi], load[r] = load[hi] - tokens[a] + tokens[b], load[r] + tokens[a] - tokens[b]
+    return [sorted(p) for p in parts]
 
 
 # -----------------------------------------------------------------------------

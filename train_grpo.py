@@ -63,12 +63,13 @@ sys.path.insert(0, str(ROOT))
 from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run directory, checkpoints, metrics)
     LAUNCH,
     SIZE_FLAGS,
+    balanced_deal,
     check_args,
     check_jit_cache,
     check_output_dir,
     checked_sizes,
     damaged_shard,
-    device_fit_problem,
+    device_fit,
     device_record,
     device_words,
     exit_without_teardown,
@@ -78,7 +79,6 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     installed_versions,
     jit_extensions_dir,
     load_training_state,
-    memory_model,
     model_flops_fn,
     note_ranks,
     one_line_early_ends,
@@ -91,8 +91,10 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     save_checkpoint,
     seed_rngs,
     set_rng_state,
+    states_to_come,
     step_metrics,
     token_budget,
+    trainer_memory,
 )
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_extensions_dir())  # a user's own choice is kept
@@ -373,27 +375,6 @@ def deal_groups(held: dict[int, list[dict]], kept: list[int], target: int, minib
                for gid, g in held.items() if owner.get(gid, rank) != rank}
     arrived = {gid: g for part in all_gather_objects(leaving) for gid, g in part.items()}
     return [r for gid in kept[rank * share : (rank + 1) * share] for r in held.get(gid) or arrived[gid]]
-
-
-def balanced_deal(tokens: list[int], world: int) -> list[list[int]]:
-    """Groups (indices of `tokens`, a group's tokens each) dealt to `world` ranks, as many to each: the largest
-    first, each to the rank with the fewest tokens that still has room (LPT); then, while one lowers it, the
-    heaviest rank swaps a group with another rank's (the swap leaving the lower maximum of the two)."""
-    per, load, parts = len(tokens) // world, [0] * world, [[] for _ in range(world)]
-    for g in sorted(range(len(tokens)), key=lambda g: (-tokens[g], g)):
-        r = min((r for r in range(world) if len(parts[r]) < per), key=lambda r: (load[r], r))
-        parts[r].append(g)
-        load[r] += tokens[g]
-    for _ in range(len(tokens) * world):
-        hi = max(range(world), key=lambda r: (load[r], -r))
-        swaps = [(max(load[hi] - d, load[r] + d), r, a, b) for r in range(world) for a in parts[hi] for b in parts[r]
-                 if 0 < (d := tokens[a] - tokens[b]) < load[hi] - load[r]]
-        if not swaps:
-            break
-        _, r, a, b = min(swaps)
-        parts[hi][parts[hi].index(a)], parts[r][parts[r].index(b)] = b, a
-        load[hi], load[r] = load[hi] - tokens[a] + tokens[b], load[r] + tokens[a] - tokens[b]
-    return [sorted(p) for p in parts]
 
 
 def balance_ranks(rollouts: list[dict], group_size: int, minibatches: int, rank: int,
@@ -947,37 +928,8 @@ def measured_budget(engine, args, longest: int) -> tuple[int, dict[str, float]]:
     """CUDA: the token budget (token_budget) for this engine's model, attention and ZeRO-3 settings on the memory
     free now less what the trainer has yet to allocate (Adam's moments, before the first optimizer step), and the
     memory_model it used."""
-    model = trainer_memory(engine, args, longest)
+    model = trainer_memory(engine, args, longest, attention_kind(args, cuda=True))
     return token_budget(model, torch.cuda.mem_get_info()[0], longest, states_to_come(engine, model)), model
-
-
-def trainer_memory(engine, args, longest: int) -> dict[str, float]:
-    """memory_model of this engine's model, attention and ZeRO-3 settings (CUDA's bf16 path), its states partitioned
-    over the engine's ranks."""
-    return memory_model(engine.module.config, engine.module.is_gradient_checkpointing, args.logprob_chunk,
-                        attention_kind(args, cuda=True), longest, engine.zero_max_live_parameters(),
-                        engine.world_size, engine.zero_reduce_bucket_size())
-
-
-def device_fit(args, model_path: str, ds_config: dict, world: int, local_rank: int) -> str | None:
-    """CUDA, before any engine starts: whether the model's ZeRO-3 states, Adam's moments, an update of one longest
-    sequence and vLLM's share fit this rank's device (grpo_run.device_fit_problem); the problem in one line."""
-    from transformers import AutoConfig
-
-    zero, longest = ds_config["zero_optimization"], args.max_prompt_len + args.max_response_len
-    model = memory_model(AutoConfig.from_pretrained(model_path), args.gradient_checkpointing is not False,
-                         args.logprob_chunk, attention_kind(args, cuda=True), longest,
-                         zero.get("stage3_max_live_parameters", 1e9), world, zero.get("reduce_bucket_size", 5e8))
-    device = torch.cuda.get_device_properties(local_rank)
-    offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
-    return device_fit_problem(model, device.total_memory, device.name, args.vllm_gpu_memory, world, longest, offload)
-
-
-def states_to_come(engine, model: dict[str, float]) -> float:
-    """Bytes of Adam's moments the device has yet to hold: torch's AdamW makes them at its first step (none once
-    it has stepped or a checkpoint loaded them; none on the device with optimizer offload)."""
-    offload = str(getattr(engine.zero_offload_optimizer(), "device", "none")).endswith("none") is False
-    return 0.0 if engine.optimizer.optimizer.state or offload else model["first step"]
 
 
 def attention_kind(args, cuda: bool) -> str:
@@ -1309,7 +1261,8 @@ def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank:
     engine, ref_engine = build_trainer(args, model_path, ds_config)
     to_come = 0.0
     if torch.cuda.is_available():
-        to_come = states_to_come(engine, trainer_memory(engine, args, args.max_prompt_len + args.max_response_len))
+        longest = args.max_prompt_len + args.max_response_len
+        to_come = states_to_come(engine, trainer_memory(engine, args, longest, attention_kind(args, cuda=True)))
     return engine, ref_engine, make_vllm(model_path, args, rank, local_rank, to_come)
 
 
@@ -1452,7 +1405,7 @@ def main(argv: list[str] | None = None) -> None:
     model_path, tokenizer, train_rows, dropped, eval_rows = load_data(args, local_rank)
     seeded = rng_state()
     if cuda:
-        stop_all(device_fit(args, model_path, ds_config, world, local_rank))
+        stop_all(device_fit(args, model_path, ds_config, world, local_rank, attention_kind(args, cuda=True)))
     engine, ref_engine, llm = build_engines(args, model_path, ds_config, rank, local_rank)
     set_rng_state(seeded)  # vLLM's worker reseeded Python, NumPy and torch (gpu_worker.py: set_random_seed)
     start, order, bad_streak, resumed = resume(engine, llm, checkpoints, out_dir, rank)

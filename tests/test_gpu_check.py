@@ -450,12 +450,13 @@ H200 = ("NVIDIA H200", 150_011_707_392)
 
 def device_fit(monkeypatch, tmp_path, shape: str, device: tuple[str, int], world: int, *flags: str,
                ds_config: dict | None = None) -> str | None:
-    """train_grpo.device_fit on a simulated CUDA device, for a model directory of `shape` (a config, no weights)."""
+    """grpo_run.device_fit on a simulated CUDA device, for a model directory of `shape` (a config, no weights)."""
     from types import SimpleNamespace
 
     import torch
     from transformers import Qwen2Config
 
+    import grpo_run
     import train_grpo as T
     from scripts.bench_step import SHAPES
 
@@ -466,7 +467,7 @@ def device_fit(monkeypatch, tmp_path, shape: str, device: tuple[str, int], world
     args = T.parse_args(["--model", str(model), "--max-prompt-len", "1024", "--max-response-len", "3072",
                          "--logprob-chunk", "1024", *flags])
     config = ds_config if ds_config is not None else T.deepspeed_config(args, world, bf16=True)
-    return T.device_fit(args, str(model), config, world, 0)
+    return grpo_run.device_fit(args, str(model), config, world, 0, T.attention_kind(args, cuda=True))
 
 
 def test_a_configuration_that_cannot_fit_its_devices_is_refused_before_any_engine(monkeypatch, tmp_path):

@@ -1,12 +1,14 @@
-"""Ranks balanced by tokens (train_grpo.balanced_deal, balance_ranks) and micro-batches cut by their own sizing.
-tests/test_invariance.py holds the gradient of a batch dealt this way to the 1-rank gradient on 2 ranks."""
+"""Ranks balanced by tokens (grpo_run.balanced_deal, train_grpo.balance_ranks), micro-batches cut by their own
+sizing, no log-prob pass where nothing learns. tests/test_invariance.py holds the gradient of a batch dealt by
+tokens to the 1-rank gradient on 2 ranks."""
 
 import random
 
 import pytest
 
+from grpo_run import balanced_deal
 from scripts.bench_rank_balance import contiguous_loads, grpo_lengths
-from train_grpo import balanced_deal, micro_batches
+from train_grpo import micro_batches
 
 
 def spread(loads: list[int]) -> float:
