@@ -812,6 +812,7 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
                 raise KeyboardInterrupt
 
             before = signal.signal(signal.SIGTERM, interrupt)
+            LAUNCH.update(ranks=[], rank=None, out_dir=None, step=None)  # none of an earlier main() in this process
             try:
                 return train(argv)
             except (KeyboardInterrupt, OSError, RuntimeError) as e:
@@ -823,7 +824,9 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
                     signal.signal(sig, signal.SIG_IGN)
                 forget_rank()
                 dead, ended = dead_ranks(wait_s=5 if lost else 0)
-                remote = any(h != socket.gethostname() for _, h in LAUNCH["ranks"])
+                remote = [r for r, (_, h) in enumerate(LAUNCH["ranks"]) if h != socket.gethostname()]
+                # another node's rank that ended on its own removed its file first (the run directory is shared)
+                ended += [r for r in remote if not rank_file(LAUNCH["out_dir"], r).exists()]
                 if lost and not dead and (ended or not remote):  # a peer that ended on its own said why
                     signal.signal(signal.SIGINT, signal.default_int_handler)
                     raise
@@ -943,53 +946,62 @@ def trainer_memory(engine, args, longest: int, attention: str) -> dict[str, floa
 
 
 def device_fit(args, model_path: str, ds_config: dict, world: int, local_rank: int, attention: str) -> str | None:
-    """CUDA, before any engine starts: whether the model's ZeRO-3 states, Adam's moments, an update of one longest
-    sequence and vLLM's share fit this rank's device (device_fit_problem); the problem in one line."""
+    """CUDA, before any engine starts: whether the model's ZeRO-3 states (the KL reference's too), Adam's moments,
+    an update of one longest sequence and vLLM's share fit this rank's device (device_fit_problem); the problem in
+    one line."""
     from transformers import AutoConfig
 
     zero, longest = ds_config["zero_optimization"], args.max_prompt_len + args.max_response_len
+    number = lambda key, default: v if isinstance(v := zero.get(key), (int, float)) else default  # noqa: E731
     model = memory_model(AutoConfig.from_pretrained(model_path), args.gradient_checkpointing is not False,
                          args.logprob_chunk, attention, longest,
-                         zero.get("stage3_max_live_parameters", 1e9), world, zero.get("reduce_bucket_size", 5e8))
+                         number("stage3_max_live_parameters", number("max_live_parameters", 1e9)), world,
+                         number("reduce_bucket_size", 5e8))
+    on_host = lambda key: str((zero.get(key) or {}).get("device", "none")) != "none"  # noqa: E731
+    kept = {} if on_host("offload_param") else {"bf16 weights": 2}
+    if not on_host("offload_optimizer"):
+        kept.update({"fp32 master weights and gradients": 8, "Adam's moments": 8})
+    if args.kl_coef > 0 and not on_host("offload_param"):
+        kept["the KL reference's bf16 weights"] = 2
     device = torch.cuda.get_device_properties(local_rank)
-    offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
-    return device_fit_problem(model, device.total_memory, device.name, args.vllm_gpu_memory, world, longest, offload)
+    return device_fit_problem(model, device.total_memory, device.name, args.vllm_gpu_memory, world, longest, kept)
 
 
 def states_to_come(engine, model: dict[str, float]) -> float:
     """Bytes of Adam's moments the device has yet to hold: torch's AdamW makes them at its first step (none once
     it has stepped or a checkpoint loaded them; none on the device with optimizer offload)."""
-    offload = str(getattr(engine.zero_offload_optimizer(), "device", "none")).endswith("none") is False
+    offload = getattr(engine.zero_offload_optimizer(), "device", "none") != "none"  # a str enum
     return 0.0 if engine.optimizer.optimizer.state or offload else model["first step"]
 
 
 def device_fit_problem(model: dict[str, float], total: int, device_name: str, vllm_share: float, world: int,
-                       longest: int, offload: bool) -> str | None:
-    """Whether a rank of `world` fits a device of `total` bytes. It keeps its ZeRO-3 states with Adam's moments
-    (18 B a parameter over the ranks; 2 with optimizer offload, whose master weights, gradients and moments stay on
-    the host) and the reduce bucket throughout; beside them, in turn, vLLM's share (--vllm-gpu-memory: rollouts,
-    and every wake-up takes it back) and, while vLLM sleeps, the update of at least one longest sequence. None if it
-    fits, else one line saying what would."""
+                       longest: int, kept: dict[str, int]) -> str | None:
+    """Whether a rank of `world` fits a device of `total` bytes. It keeps, throughout, its share of the states in
+    `kept` (bytes a parameter, over the ranks: 18 for bf16 weights, fp32 master weights and gradients and Adam's
+    moments; less what is offloaded to the host) and the reduce bucket; beside them, in turn, vLLM's share
+    (--vllm-gpu-memory: the rollout, and every wake-up takes it back) and, while vLLM sleeps, the update of one
+    longest sequence and the optimizer step's transients. None if it fits, else one line saying what would."""
     update = model["fixed"] + model["gradients in flight"] + model["per_token"] * longest
-    bucket, params, per_param = model["reduce bucket"], model["params"], 2 if offload else 18
-    beside = max(vllm_share * total, update)
+    bucket, params, per_param = model["reduce bucket"], model["params"], sum(kept.values())
+    step = model["step"] if "Adam's moments" in kept else 0.0  # offloaded, the optimizer steps on the host
+    beside = max(vllm_share * total, update, step)
     if per_param * params / world + bucket + beside <= total:
         return None
     room = total - bucket - beside
     ways = [f"use at least {math.ceil(per_param * params / room)} GPUs"] if room > 0 else []
-    if not offload and 2 * params / world + bucket + beside <= total:
+    offloaded = (per_param - 16) * params / world + bucket + max(vllm_share * total, update)
+    if "Adam's moments" in kept and offloaded <= total:
         ways.append('offload the optimizer ("offload_optimizer": {"device": "cpu"} in --ds-config\'s '
                     "zero_optimization)")
     share = (total - per_param * params / world - bucket) / total - 0.03
-    if share >= 0.1 and per_param * params / world + bucket + update <= total:
+    if share >= 0.1 and per_param * params / world + bucket + max(update, step) <= total:
         ways.append(f"lower --vllm-gpu-memory to {share:.2f}")
-    states = ("2 B a parameter with optimizer offload" if offload else
-              "18 B a parameter over the ranks: bf16 weights, fp32 master weights and gradients, Adam's moments")
+    states = ", ".join(f"{what} {n}" for what, n in kept.items())
     return (f"{params / 1e9:.2f}B parameters keep {(per_param * params / world + bucket) / 2**30:.1f} GiB a rank on "
-            f"{world} GPU(s) ({states}), beside the {vllm_share * total / 2**30:.1f} GiB --vllm-gpu-memory "
-            f"{vllm_share} takes and the {update / 2**30:.1f} GiB of a longest sequence's update, on a "
-            f"{total / 2**30:.1f} GiB {device_name}: " + (" or ".join(ways) or "it does not fit this device")
-            + " (docs/gpu.md)")
+            f"{world} GPU(s) ({per_param} B a parameter over the ranks: {states}), beside the "
+            f"{vllm_share * total / 2**30:.1f} GiB --vllm-gpu-memory {vllm_share} takes and the "
+            f"{max(update, step) / 2**30:.1f} GiB of the update, on a {total / 2**30:.1f} GiB {device_name}: "
+            + (" or ".join(ways) or "it does not fit this device") + " (docs/gpu.md)")
 
 
 def balanced_deal(tokens: list[int], world: int) -> list[list[int]]:
@@ -1079,7 +1091,9 @@ def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: di
     t_update, ran = max(timer["update"], 1e-9), bool(sums.get("updates"))
     local = {**rollout_metrics(rollouts, args.group_size), **dict.fromkeys(SUM_KEYS, 0.0), **sums,
              "timeouts": reward_stats.get("timeouts", 0), "errors": reward_stats.get("errors", 0),
-             "gen_rate": sum(r["length"] for r in rollouts) / max(timer["rollout"], 1e-9),
+             # the tokens this rank generated, before balance_ranks dealt some of its groups to another
+             "gen_rate": reward_stats.get("generated", sum(r["length"] for r in rollouts))
+             / max(timer["rollout"], 1e-9),
              "train_rate": sum(len(r["tokens"]) for r in rollouts) / t_update if ran else 0.0,
              "flop_rate": model_flops([len(r["tokens"]) for r in rollouts]) / t_update if ran else 0.0}
     local = dict(sorted(local.items()))  # the same keys in the same order on every rank

@@ -1444,6 +1444,7 @@ def main(argv: list[str] | None = None) -> None:
         # 1-2. rollout and reward: this rank's share of the step's prompts, G scored responses each
         rollouts, order, sampling = sample_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
                                                 lambda text: bar.set_postfix_str(text, refresh=True))
+        rstats["generated"] = sum(r["length"] for r in rollouts)  # this rank's, before some move to another
         rollouts, balance = balance_ranks(rollouts, args.group_size, args.minibatches, rank, world)
         if cuda and (budget := memory_to_update(llm, engine, args, rank)) is not None:
             args.micro_batch_tokens = min(budget, cap or budget)  # --micro-batch-tokens: recorded with the checkpoints

@@ -197,7 +197,7 @@ def random_model(shape: str, out: Path, max_len: int) -> None:
     Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
 
 
-def build(ledger: Ledger, args, work: Path, ds_config: dict):
+def build(ledger: Ledger, args, work: Path, ds_config: dict) -> object:
     ledger.phase = "build"
     engine, _ = T.build_trainer(args, str(work / "model"), ds_config)
     refile_states(ledger, engine)

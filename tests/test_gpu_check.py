@@ -494,6 +494,14 @@ def test_a_configuration_that_cannot_fit_its_devices_is_refused_before_any_engin
     line = device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1)
     assert "lower --vllm-gpu-memory to 0.64" in line
     assert device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1, "--vllm-gpu-memory", "0.64") is None
+    # a KL term keeps the reference model's bf16 weights beside the policy's: 20 B a parameter, no longer fitting
+    line = device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1, "--vllm-gpu-memory", "0.64", "--kl-coef", "0.01")
+    assert "(20 B a parameter over the ranks: " in line and "the KL reference's bf16 weights 2" in line
+    # settings DeepSpeed takes as strings ("auto") fall back to its defaults rather than end in a traceback
+    config = T.deepspeed_config(args, 1, bf16=True)
+    config["zero_optimization"].update(stage3_max_live_parameters="auto", reduce_bucket_size="auto")
+    assert device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1, "--vllm-gpu-memory", "0.5",
+                      ds_config=config) is None
 
 
 def test_the_trainer_sets_expandable_segments_unless_the_user_chose(tmp_path):
