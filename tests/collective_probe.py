@@ -98,8 +98,8 @@ def record_engines() -> None:
         path.write_text(json.dumps({**json.loads(path.read_text()), **digests}))
         return resume(engine, llm, checkpoints, out_dir, rank)
 
-    def make_and_record(model_path, args, rank, local_rank):
-        llm = make(model_path, args, rank, local_rank)
+    def make_and_record(model_path, args, rank, local_rank, *more):
+        llm = make(model_path, args, rank, local_rank, *more)
         digests["rng_after_vllm"] = rng_digest()
         core = llm.llm_engine.engine_core.engine_core  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         info = {"backend": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,

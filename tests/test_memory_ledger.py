@@ -79,7 +79,9 @@ def test_memory_model_holds_the_measured_ledger(ledgers):
         # the optimizer's states appear at the first optimizer step, as the budget and vLLM's guard assume
         resident = ledger["resident"]
         assert "optimizer states" not in resident["built"]
-        assert resident["after step 1"]["optimizer states"] == model["first step"] > 0
+        # (with AdamW's step counter, a 4-byte scalar a parameter group, beside the moments)
+        assert model["first step"] > 0
+        assert resident["after step 1"]["optimizer states"] == pytest.approx(model["first step"], rel=TOLERANCE)
         assert resident["after step 1"]["total"] - resident["built"]["total"] == pytest.approx(
             model["first step"], rel=TOLERANCE)
         # a resume redoes step 2 in the same bytes
