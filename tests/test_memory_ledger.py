@@ -82,8 +82,6 @@ def test_memory_model_holds_the_measured_ledger(ledgers):
         # (with AdamW's step counter, a 4-byte scalar a parameter group, beside the moments)
         assert model["first step"] > 0
         assert resident["after step 1"]["optimizer states"] == pytest.approx(model["first step"], rel=TOLERANCE)
-        assert resident["after step 1"]["total"] - resident["built"]["total"] == pytest.approx(
-            model["first step"], rel=TOLERANCE)
         # a resume redoes step 2 in the same bytes
         assert ledger["peaks"]["step 2 after the resume: micro-batches"] == ledger["peaks"]["step 2: micro-batches"]
 
