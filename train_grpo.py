@@ -528,9 +528,8 @@ def loss_weights(advantages: torch.Tensor, rollouts: list[dict], args) -> torch.
     lengths = torch.tensor([0 if args.mask_truncated and r["truncated"] else r["length"] for r in rollouts])
     per_mb = len(rollouts) // args.minibatches
     parts = [slice(k * per_mb, (k + 1) * per_mb) for k in range(args.minibatches)]
-    batch = [None] * len(parts)
-    if args.agg in ("balanced-batch", "token-batch"):  # one collective for every mini-batch of the step
-        batch = all_reduce(torch.stack([sign_lengths(advantages[s], lengths[s]) for s in parts]))
+    # every mini-batch's statistics over all ranks, in one collective, whatever the rule: a rule reads them or not
+    batch = all_reduce(torch.stack([sign_lengths(advantages[s], lengths[s]) for s in parts]))
     return torch.cat([aggregation_weights(advantages[s], lengths[s], args.group_size, args.agg, b,
                                           args.max_response_len) for s, b in zip(parts, batch)])
 
@@ -1011,7 +1010,10 @@ def all_reduce(values, op: str = "sum") -> torch.Tensor:
     """A vector of numbers summed ("sum") or maximised ("max") over ranks; float64, on the CPU."""
     import torch.distributed as dist
 
-    t = torch.as_tensor(values, dtype=torch.float64).to(collective_device())
+    t = torch.as_tensor(values, dtype=torch.float64)
+    if not dist.is_initialized():  # one process without a process group: a world of one
+        return t.clone()
+    t = t.to(collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.cpu()
 
@@ -1020,6 +1022,8 @@ def all_gather_objects(obj) -> list:
     """Every rank's picklable `obj`, in rank order (NCCL: pickled through the current CUDA device)."""
     import torch.distributed as dist
 
+    if not dist.is_initialized():  # one process without a process group: a world of one
+        return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out

@@ -4,6 +4,8 @@ import pytest
 import torch
 from conftest import deepspeed_run
 
+from train_grpo import AGGS
+
 pytestmark = pytest.mark.slow
 
 
@@ -19,9 +21,9 @@ def deltas(demo_dir, tmp_path_factory):
     return out
 
 
-CASES = ["seq", "token", "balanced", "balanced-batch", "token-batch", "dr-grpo", "seq-sum",  # the rules (ppo)
-         "gspo", "cispo", "sapo",  # the policy losses, under balanced
-         "dynamic-2", "dynamic-1"]  # dynamic sampling: 2 rounds fill the step; 1 round leaves it half full
+# every rule the trainer defines (a rule a fork adds is held here with no test edited), under ppo; the policy
+# losses under balanced; dynamic sampling: 2 rounds fill the step, 1 round leaves it half full (grad_probe.CASES)
+CASES = [*AGGS, "gspo", "cispo", "sapo", "dynamic-2", "dynamic-1"]
 
 
 OFFLOAD = ["seq", "token-batch", "dynamic-2", "dynamic-1"]  # grad_probe.OFFLOAD_CASES: the accumulation boundary
