@@ -150,6 +150,57 @@ def check_checkpoint(path: str) -> None:
         raise ValueError(f"{path}: no such checkpoint directory")
 
 
+# the config keys vLLM reads a model's context from (it takes the shortest, then the tokenizer's model_max_length)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def context_bound(model: str, args) -> int | None:
+    """The most tokens the engine's context can hold for this checkpoint: --max-model-len where given (vLLM
+    refuses one above the model's), else the longest of the config's lengths times any RoPE scaling factor,
+    never below vLLM's own; None where the config names no length."""
+    if args.max_model_len:
+        return args.max_model_len
+    try:  # a local checkpoint's config.json as it is (check_checkpoint read it); a hub id's through transformers
+        if Path(model).is_dir():
+            config = json.loads((Path(model) / "config.json").read_text())
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model).to_dict()
+    except (OSError, ValueError):  # what the engine makes of it is its own to say: no refusal on a guess
+        return None
+    lengths = [v for k in CONTEXT_KEYS if isinstance(v := config.get(k), int)]
+    if not lengths:
+        return None
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    return int(max(lengths) * max(1.0, factor if isinstance(factor, (int, float)) else 1.0))
+
+
+def check_prompt_room(ckpt: str, tokenizer, benchmarks: dict[str, list[dict]], args) -> None:
+    """A benchmark none of whose prompts fits the context beside --max-tokens scores 0 on every problem without
+    sampling one answer (sample_checkpoint skips a prompt that leaves no room): refused in one line before the
+    engine. Its context is an upper bound (context_bound), so nothing that could run is refused; the prompts
+    that the engine's own context leaves out are counted in the table (skipped_notes)."""
+    from data.templates import prompt_ids
+
+    context = context_bound(ckpt, args)
+    if context is None:
+        return
+    for name, rows in benchmarks.items():
+        lengths = [len(prompt_ids(r, args.template, tokenizer)) for r in rows]
+        if not lengths or min(lengths) + args.max_tokens <= context:
+            continue
+        lo, hi = min(lengths), max(lengths)
+        fix = (f"give --max-tokens {context - hi} or less" if hi < context else
+               f"give --max-tokens {context - lo} or less (for the shortest)" if lo < context else
+               "no --max-tokens fits them: a model with a longer context, or a shorter --template")
+        raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for any prompt of {name} in the {context}-"
+                         f"token context of {ckpt} (its prompts need {lo}-{hi} tokens, and every one would score 0): "
+                         + fix)
+
+
 def settings_key(args) -> tuple[str, dict]:
     """The cache key: every setting that changes a score. --max-model-len (a prompt that leaves no room
     for --max-tokens scores 0) only when given, so that the caches made before it counted stay valid."""
@@ -194,18 +245,22 @@ def cache_dir(ckpt: str, args) -> Path:
     return Path(ckpt) / "eval" / key if Path(ckpt).is_dir() else Path("eval") / ckpt.replace("/", "_") / key
 
 
-def cached_scores(cache: Path, name: str) -> dict[str, list[float]]:
-    """Scores by problem id from every samples file of a benchmark (one per data-parallel shard);
-    a line cut short by a kill is skipped, and redone."""
-    done = {}
+def cached_records(cache: Path, name: str) -> list[dict]:
+    """Every cached sample record of a benchmark (one samples file per data-parallel shard); a line cut short
+    by a kill is skipped, and redone."""
+    recs = []
     for path in sorted(cache.glob(f"{name}.samples*.jsonl")):
         for line in path.read_text().splitlines():
             try:
-                rec = json.loads(line)
+                recs.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-            done[rec["id"]] = rec["scores"]
-    return done
+    return recs
+
+
+def cached_scores(cache: Path, name: str) -> dict[str, list[float]]:
+    """Scores by problem id from the cached samples of a benchmark."""
+    return {rec["id"]: rec["scores"] for rec in cached_records(cache, name)}
 
 
 def sample_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict]], args) -> None:
@@ -275,11 +330,13 @@ def checkpoint_results(ckpt: str, benchmarks: dict[str, list[dict]], args) -> di
     cache = cache_dir(ckpt, args)
     results = {}
     for name, rows in benchmarks.items():
-        done = cached_scores(cache, name)
-        missing = [r["id"] for r in rows if r["id"] not in done]
+        last = {rec["id"]: rec for rec in cached_records(cache, name)}  # the last record of each problem
+        missing = [r["id"] for r in rows if r["id"] not in last]
         if missing:
             raise RuntimeError(f"{ckpt}: {len(missing)} {name} problems have no samples (first: {missing[0]})")
-        results[name] = benchmark_metrics([done[r["id"]] for r in rows], args.n)
+        results[name] = benchmark_metrics([last[r["id"]]["scores"] for r in rows], args.n)
+        if skipped := sum(bool(last[r["id"]].get("skipped")) for r in rows):
+            results[name]["skipped"] = skipped  # scored 0 unsampled: said under every table that holds it
         if any(r.get("tests_in_prompt") for r in rows):
             results[name]["tests_in_prompt"] = True
     names = list(results)
@@ -299,6 +356,15 @@ def marked(name: str, metrics: dict) -> str:
     return name + "*" if metrics.get("tests_in_prompt") else name
 
 
+def skipped_notes(results: list[dict], names: list[str]) -> list[str]:
+    """Under a table, each benchmark some of whose prompts left no room for --max-tokens in the context: scored
+    0 unsampled, which its numbers do not show (the most of any checkpoint in the table)."""
+    most = {b: max((res[b].get("skipped", 0) for res in results if b in res), default=0) for b in names}
+    notes = [f"{b}: {k} of {max(res[b]['problems'] for res in results if b in res)} prompts longer than the context "
+            f"minus --max-tokens scored 0, unsampled" for b, k in most.items() if k]
+    return ["", *notes] if notes else []
+
+
 def format_table(results: dict, n: int) -> str:
     cols = ["acc@1", f"acc@{n}", "best@1", f"best@{n}"]
     lines = [f"| {'benchmark':<16} | {'problems':>8} | " + " | ".join(f"{c:>7}" for c in cols) + " |",
@@ -309,6 +375,7 @@ def format_table(results: dict, n: int) -> str:
                      + " |")
     if any(m.get("tests_in_prompt") for m in results.values()):
         lines.append("\n" + TESTS_IN_PROMPT_NOTE)
+    lines += skipped_notes([results], [b for b in results if b != "average"])
     return "\n".join(lines)
 
 
@@ -317,8 +384,8 @@ def format_table(results: dict, n: int) -> str:
 
 
 def run_args(run: str) -> dict:
-    path = Path(run) / "args.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    """The run's args.json ({} without one); a damaged one is named in one line (grpo_run.read_args_json)."""
+    return grpo_run.read_args_json(run) or {}
 
 
 def run_checkpoints(run: str) -> list[tuple[int, str]]:
@@ -411,6 +478,7 @@ def runs_table(per_run: dict[str, dict[int, dict]], groups: dict[str, list[str]]
             lines.append(row(label + seeds, point, [p[point] for p in pl]))
     if shown:
         lines.append("\n" + TESTS_IN_PROMPT_NOTE)
+    lines += skipped_notes([res for r in per_run.values() for res in r.values()], names)
     return "\n".join(lines)
 
 
@@ -590,6 +658,8 @@ def main(argv: list[str] | None = None) -> None:
         for rows in benchmarks.values():  # e.g. a chat template asked of a tokenizer without one
             for kind in {r["kind"] for r in rows}:
                 render_prompt("", args.template, first, kind)
+        for ckpt in dict.fromkeys(ckpts[0][1] for ckpts in jobs.values()):  # a run's checkpoints share one context
+            check_prompt_room(ckpt, AutoTokenizer.from_pretrained(ckpt), benchmarks, args)
     except (ValueError, RuntimeError, OSError) as e:
         sys.exit(f"evaluate.py: error: {grpo_run.first_line(e)}")
 

@@ -347,17 +347,31 @@ def run_metrics(run: Path) -> dict[int, dict]:
     return out
 
 
+def read_args_json(run: Path | str) -> dict | None:
+    """A run's args.json as the trainer wrote it, or None where it has none (a run before its first checkpoint):
+    what every reader of the record calls, so that a damaged one (a write cut short by a kill) is named in one
+    line with its file, not as a bare JSONDecodeError."""
+    path = Path(run) / "args.json"
+    if not path.exists():
+        return None
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError too
+        raise ValueError(f"{path} cannot be read as JSON ({first_line(e)}): repair or remove it") from None
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{path} is not the trainer's args.json (a JSON object of its arguments, not a "
+                         f"{type(recorded).__name__}): repair or remove it")
+    return recorded
+
+
 def recorded_args(run: Path, defaults: argparse.Namespace, required: tuple[str, ...] = ()) -> argparse.Namespace:
     """The trainer's arguments of a run, as its args.json recorded them, over `defaults` (the trainer's
     parse_args([])) for flags added since: what the tools pass to the trainer's functions. `required`: keys
     the file itself must hold."""
     path = Path(run) / "args.json"
-    try:
-        recorded = json.loads(path.read_text())
-        if not isinstance(recorded, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: {first_line(e)} (the trainer's args.json of a run is expected)") from None
+    recorded = read_args_json(run)
+    if recorded is None:
+        raise ValueError(f"{path}: no such file (the trainer's args.json of a run is expected)")
     for key in required:
         if key not in recorded:
             raise ValueError(f"{path}: no {key!r} of train_grpo.py's arguments (not the trainer's args.json)")
@@ -391,12 +405,8 @@ def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> tuple[l
     if checkpoints:
         record = json.loads((checkpoints[0] / "trainer_state.json").read_text()).get("run")
         where = checkpoints[0]
-    if record is None and (out_dir / "args.json").exists():
-        try:
-            record, where = run_identity(json.loads((out_dir / "args.json").read_text())), out_dir
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{out_dir / 'args.json'} cannot be read as JSON ({first_line(e)}): repair or remove "
-                             "it") from None
+    if record is None and (recorded := read_args_json(out_dir)) is not None:
+        record, where = run_identity(recorded), out_dir
     as_trained = {}
     if record is not None:
         for k, before in BEFORE_FLAG.items():  # a run older than the flag goes on as it was trained

@@ -1491,7 +1491,8 @@ def main(argv: list[str] | None = None) -> None:
                      "sizes": {**here, **{k: getattr(args, k) for k in SIZE_FLAGS}}}
             save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
             if rank == 0:  # the arguments that trained these checkpoints
-                (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
+                (out_dir / "args.json.tmp").write_text(json.dumps(vars(args), indent=1))
+                os.replace(out_dir / "args.json.tmp", out_dir / "args.json")  # a kill mid-write leaves the old one
         if stop:
             dist.barrier()
             sys.exit(f"train_grpo.py: error: {bad_streak} steps in a row had a non-finite loss or gradient "

@@ -20,7 +20,6 @@ policy, and writes OUT/eval_table.md and the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
@@ -35,6 +34,15 @@ LAB_EVAL = "--benchmarks demo-test --template plain --n 8 --temperature 1.0 --to
 # (--agg dr-grpo) and advantages not divided by the group's std; verl and TRL keep them as two
 # switches, as the trainer does, so the ablation's `dr-grpo` sets both.
 RULE_ARGS = {"dr-grpo": ["--no-std-norm"]}
+# The trainer flags the ablation sets per run (train_args, RULE_ARGS), with where to give them instead: after --
+# they would come later on the trainer's command line and win, so that every run trained that one setting under
+# its own name (`-- --agg token`: three "rules", all token).
+PER_RUN = {"model": "give the policy with --model", "agg": "give rules with --aggs",
+           "policy_loss": "give policy losses with --losses",
+           "seed": "give seeds with --seeds", "output_dir": "give the ablation's directory with --out (each run goes "
+           "to OUT/MODEL-AGG-sSEED)",
+           "eval_dataset": "the runs leave held-out evaluation to evaluate.py: give its flags with --eval-args",
+           "no_std_norm": "it would change every rule; the ablation's dr-grpo already sets it (Dr. GRPO)"}
 
 
 def code_commit() -> str:
@@ -61,22 +69,23 @@ def rule_args(model: str, agg: str, extra: list[str] | None = None) -> argparse.
 
 
 def finished(run: Path) -> bool:
-    """The run's last checkpoint is its final step."""
+    """The run's last checkpoint is its final step; a damaged args.json is named in one line (ValueError), not
+    taken for a run to train again."""
+    from grpo_run import read_args_json
+
     try:
-        steps = json.loads((run / "args.json").read_text())["steps"]
+        steps = (read_args_json(run) or {})["steps"]
         return (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps:06d}"
-    except (OSError, KeyError, json.JSONDecodeError):
+    except (OSError, KeyError, TypeError):
         return False
 
 
-def main() -> None:
-    argv = sys.argv[1:]
-    train_extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="lab", help="'lab', 'lab-nogap(-hi)', 'demo', a checkpoint or a hub id")
+def parser() -> argparse.ArgumentParser:
+    """ablation.py's own flags (those before --)."""
     import train_grpo
 
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="lab", help="'lab', 'lab-nogap(-hi)', 'demo', a checkpoint or a hub id")
     p.add_argument("--aggs", nargs="+", default=["seq", "token", "balanced"], choices=train_grpo.AGGS + ["all"],
                    help="aggregation rules ('all': every rule)")
     p.add_argument("--losses", nargs="+", default=["ppo"], choices=list(train_grpo.POLICY_LOSS_DEFAULTS),
@@ -86,13 +95,37 @@ def main() -> None:
     p.add_argument("--out", default=None, help="default runs/ablation-MODEL")
     p.add_argument("--eval-args", default=None, help=f"evaluate.py's arguments (offline policies: {LAB_EVAL!r})")
     p.add_argument("--no-eval", action="store_true", help="train only (compare_rules.py reads the training logs)")
+    return p
+
+
+def run_dir(out: Path, model: str, agg: str, loss: str, seed: int) -> Path:
+    """One run's directory: OUT/M-A-sS, with a policy loss other than ppo OUT/M-A-P-sS."""
+    return out / f"{Path(model).name}-{agg}{'' if loss == 'ppo' else '-' + loss}-s{seed}"
+
+
+def planned_runs(args: argparse.Namespace) -> list[Path]:
+    """Every run directory of these ablation.py flags (parser()), in the order they train (seeds outermost)."""
+    import train_grpo
+
+    aggs = train_grpo.AGGS if "all" in args.aggs else args.aggs
+    out = Path(args.out or f"runs/ablation-{Path(args.model).name}")
+    return [run_dir(out, args.model, agg, loss, seed) for seed in args.seeds for loss in args.losses for agg in aggs]
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    train_extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    import train_grpo
+
+    p = parser()
     args = p.parse_args(argv)
+    planned = planned_runs(args)
     if "all" in args.aggs:
         args.aggs = train_grpo.AGGS
-    if "--policy-loss" in train_extra:
-        p.error("give policy losses with --losses, not to the trainer after --")
-    if "--no-std-norm" in train_extra:
-        p.error("--no-std-norm after -- would change every rule; the ablation's dr-grpo already sets it (Dr. GRPO)")
+    # read as the trainer reads them (flags_given), so that `--agg=token` and an abbreviation count too
+    for k in (k for k in PER_RUN if k in train_grpo.parse_args(train_extra).flags_given):
+        p.error(f"--{k.replace('_', '-')} after -- would override what the ablation sets per run: {PER_RUN[k]}")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -124,13 +157,15 @@ def main() -> None:
             train_grpo.deepspeed_config(trial, nproc)
         evaluate.parse_args(["--run", str(out), *eval_args])
         evaluate.check_writable(out, "every run and the table go there; give another --out")
+        for run in planned:  # a damaged args.json named now, not after the runs before it have trained
+            finished(run)
     except ValueError as e:
         sys.exit(f"ablation.py: error: {e}")
 
     t_all, runs = time.time(), []
     for seed in args.seeds:
         for agg, loss in settings:
-            run = out / f"{Path(args.model).name}-{agg}{'' if loss == 'ppo' else '-' + loss}-s{seed}"
+            run = run_dir(out, args.model, agg, loss, seed)
             runs.append(run)
             if finished(run):
                 print(f"[ablation] {run.name}: already trained", flush=True)

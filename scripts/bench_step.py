@@ -191,8 +191,17 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--dataset {args.dataset} is a directory; give a prepared .jsonl file or a name")
     if Path(args.out).is_dir() or not Path(args.out).resolve().parent.is_dir():
         raise ValueError(f"--out {args.out}: must be a file in an existing directory (the JSON results)")
-    if not os.access(Path(args.out).resolve().parent, os.W_OK):  # a read-only one: after the whole benchmark
-        raise ValueError(f"--out {args.out}: its directory is not writable")
+    from grpo_run import first_line, writable_problem
+
+    # tried, not read off permission bits (os.access passed /proc as root, and the write at the end failed after
+    # the whole benchmark); an existing file is opened for appending, which leaves it as it is
+    if problem := writable_problem(Path(args.out).resolve().parent):
+        raise ValueError(f"--out {args.out}: its directory is not writable ({problem})")
+    if Path(args.out).exists():
+        try:
+            open(args.out, "a").close()
+        except OSError as e:
+            raise ValueError(f"--out {args.out}: not writable ({first_line(e)})") from None
 
 
 def best_of(n: int, fn) -> float:

@@ -53,6 +53,7 @@ REFERENCE = "balanced"  # the paper's rule: every other rule is tested against i
 GAPS = {"none": "lab-check-nogap", "middle": "lab-check", "long": "lab-check-long"}
 FACTORIAL_RULES = ("token", REFERENCE)
 MARGIN = {"AUC": 0.5, "J": 1.0}  # the primary measure's, and the last checkpoint's held-out J (secondary)
+LATE_STEPS = 5  # compare's late accuracy (the last 5 steps) and coupling (the first 5): the fewest --steps it reads
 
 
 # -----------------------------------------------------------------------------
@@ -308,17 +309,13 @@ def paired(d: list[float], margin: float) -> dict[str, float]:
 def run_table(runs_dir: Path, model: str | None = None) -> dict[str, dict[int, Path]]:
     """The directory's runs (of `model`, if given) as {rule: {seed: run}}; one line if it holds none of the
     comparison's."""
-    from grpo_run import first_line
+    from grpo_run import read_args_json
 
     out: dict[str, dict[int, Path]] = {}
     if not runs_dir.is_dir():
         raise ValueError(f"{runs_dir}: no such directory (give an ablation.py --out directory)")
     for run in sorted(runs_dir.iterdir()):
-        try:
-            a = json.loads((run / "args.json").read_text())
-        except (OSError, ValueError) as e:
-            if (run / "args.json").exists():
-                raise ValueError(f"{run / 'args.json'}: {first_line(e)}") from None
+        if (a := read_args_json(run)) is None:  # not a run (a log, a .commit file)
             continue
         if a.get("policy_loss", "ppo") == "ppo" and a.get("agg") in RULES and model in (None, a.get("model")):
             out.setdefault(a["agg"], {})[a["seed"]] = run
@@ -369,6 +366,10 @@ def compare(runs_dir: Path) -> str:
     table = run_table(runs_dir)
     rules = [r for r in RULES if r in table]
     seeds, curves, T = paired_curves(runs_dir, table, rules)
+    if T < LATE_STEPS:  # the late accuracy reads steps T-4..T and the coupling steps 1-5 (once a KeyError)
+        raise ValueError(f"{table[rules[0]][seeds[0]]}: {T} training steps (its --steps); the comparison needs at "
+                         f"least {LATE_STEPS} (it reads steps 1-{LATE_STEPS} and the last {LATE_STEPS}): train "
+                         f"runs of --steps {LATE_STEPS} or more (ablation.py ... -- --steps N)")
     auc = {k: 100 * sum(c[t]["reward/accuracy"] for t in range(1, T + 1)) / T for k, c in curves.items()}
     late = {k: 100 * sum(c[t]["reward/accuracy"] for t in range(T - 4, T + 1)) / 5 for k, c in curves.items()}
     length = {k: sum(c[t]["length/mean"] for t in range(T - 4, T + 1)) / 5 for k, c in curves.items()}

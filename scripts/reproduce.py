@@ -95,6 +95,49 @@ FIGURES = {"lab": [(f"runs/ablation-lab/{f}.png", f"docs/lab_{f}.png")
                             ("runs/ablation-lab-nogap-hi/figure3_length.png", "docs/nogap_hi_figure3_length.png")]}
 
 
+def untrained(name: str) -> list[tuple[list[str], list[Path]]]:
+    """Every ablation.py command (of any experiment) that writes into a run directory this experiment's tables
+    read, with what of it is not there (runs not finished, its evaluated table and figures), relative to the
+    project's root: what --tables-only needs, checked before the first table (a prediction runs for minutes
+    before a table of the runs said that they were missing)."""
+    from scripts import ablation
+
+    tables = EXPERIMENTS[name][2]
+    files = [Path(cmd[1]) / "eval_table.md" for cmd in tables if cmd[0] == "evaluate_table"]
+    files += [Path(src) for src, _ in FIGURES.get(name, [])]  # ablation.py's evaluation draws them
+    reads = {Path(a) for cmd in tables for a in cmd[1:] if a.startswith("runs/")} | {f.parent for f in files}
+    out, seen = [], set()
+    for _, ablations, _ in EXPERIMENTS.values():  # the lab's runs are read by the length study's tables too
+        for a in ablations:
+            planned = ablation.planned_runs(ablation.parser().parse_args(a[: a.index("--")] if "--" in a else a))
+            if (d := planned[0].parent) not in reads:
+                continue
+            missing = [r for r in planned if not ablation.finished(ROOT / r)]
+            if d not in seen:  # the files once, with the first command that writes into their directory
+                missing += [f for f in files if f.parent == d and not (ROOT / f).exists()]
+            seen.add(d)
+            if missing:
+                out.append((a, missing))
+    return out
+
+
+def check_trained(names: list[str]) -> None:
+    """--tables-only: every run the tables read is trained, or one line names what is missing and the command
+    that trains it."""
+    lacking = [(name, a, missing) for name in names for a, missing in untrained(name)]
+    if not lacking:
+        return
+    name = lacking[0][0]
+    own = [(a, missing) for n, a, missing in lacking if n == name]
+    missing = [m for _, ms in own for m in ms]
+    shown = ", ".join(map(str, missing[:3])) + (", ..." if len(missing) > 3 else "")
+    more = f" and {len(own) - 1} more (python -m scripts.reproduce --list)" if len(own) > 1 else ""
+    others = sorted({n for n, _, _ in lacking} - {name})
+    raise ValueError(f"--tables-only: {name}'s tables read {len(missing)} runs or files not there ({shown}); train "
+                     f"them with `python -m scripts.ablation {' '.join(own[0][0])}`{more}"
+                     + (f"; untrained too: {', '.join(others)}" if others else ""))
+
+
 def run_commits(table_cmds: list[list[str]]) -> list[str]:
     """The commits the runs read by these tables were trained at (ablation.py's RUN.commit files)."""
     dirs = {Path(a) for cmd in table_cmds for a in cmd[1:] if a.startswith("runs/")}
@@ -172,7 +215,12 @@ def main() -> None:
                       f"  {t[1]}/eval_table.md (evaluate.py)")
         return
     t0 = time.time()
-    if not args.tables_only:
+    if args.tables_only:
+        try:
+            check_trained(names)
+        except ValueError as e:  # a damaged args.json too (ablation.finished)
+            sys.exit(f"reproduce.py: error: {e}")
+    else:
         for name in names:
             for a in EXPERIMENTS[name][1]:
                 print(f"[reproduce] {name}: python -m scripts.ablation {' '.join(a)}", flush=True)

@@ -285,15 +285,15 @@ def test_evaluate_names_a_read_only_run_before_the_engine(tmp_path):
     rd = tmp_path / "run"
     shutil.copytree(model_dir("demo"), rd / "checkpoints" / "step_000001")
     (rd / "args.json").write_text(json.dumps({"agg": "balanced"}))  # no initial policy: the checkpoint alone
-    res = read_only(rd, "evaluate.py", "--run", str(rd), "--benchmarks", "demo-test", "--template", "plain", "--n", "1")
+    flags = ["--benchmarks", "demo-test", "--template", "plain", "--n", "1", "--max-tokens", "48"]  # 512-token context
+    res = read_only(rd, "evaluate.py", "--run", str(rd), *flags)
     one_line_error(res, f"{rd}/checkpoints/step_000001/eval/")  # once OSError: [Errno 30] after the engine started
     assert "Read-only file system" in res.stderr and "the samples are cached there; make it writable" in res.stderr
     # the table's --out, where the samples can be written
     import evaluate
 
     with pytest.raises(SystemExit) as e:
-        evaluate.main(["--run", str(rd), "--benchmarks", "demo-test", "--template", "plain", "--n", "1", "--out",
-                       str(rd / "args.json")])
+        evaluate.main(["--run", str(rd), *flags, "--out", str(rd / "args.json")])
     said = str(e.value.code)
     assert said.startswith(f"evaluate.py: error: {rd / 'args.json'} is not writable ([Errno 17] File exists")
     assert said.endswith("the table goes there; give another --out")
@@ -778,6 +778,8 @@ BENCH = [(["--repeats", "0"], "--repeats must be at least 1"),
          (["--group-size", "0"], "--group-size must be at least 2"),  # once after 150 s of probes and engines
          (["--sync-hidden", "100"], "multiples of 64"), (["--model", "nowhere"], "--model nowhere: no such directory"),
          (["--out", "/nonexistent/b.json"], "must be a file in an existing directory"),
+         # a folder no file can be made in, which os.access passed as root: the benchmark ran, then lost its numbers
+         (["--out", "/proc/b.json"], "--out /proc/b.json: its directory is not writable ("),
          (["--update-only", "--peak-tflops", "-1"], "--peak-tflops must be in (0, 1e6]"),  # once MFU -0.004
          (["--peak-tflops", "1e300"], "--peak-tflops must be in (0, 1e6]"),
          (["--peak-tflops", "nan"], "--peak-tflops must be a finite number"),
@@ -804,8 +806,9 @@ def test_bench_step_checks_its_arguments_before_any_engine(flags, message, monke
 def test_bench_step_refuses_a_read_only_out(tmp_path):
     res = read_only(tmp_path, "-m", "scripts.bench_step", "--update-only", "--out", str(tmp_path / "b.json"))
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert res.stderr.splitlines()[-1] == f"bench_step.py: error: --out {tmp_path / 'b.json'}: its directory is not " \
-        "writable", res.stderr[-2000:]
+    said = res.stderr.splitlines()[-1]
+    assert said.startswith(f"bench_step.py: error: --out {tmp_path / 'b.json'}: its directory is not writable ([Errno "
+                           "30] Read-only file system"), res.stderr[-2000:]
 
 
 def short_ablation(root, steps: int = 3):
@@ -1007,3 +1010,169 @@ def test_a_checkpoint_whose_sizes_were_edited_is_refused_before_any_engine(tmp_p
         one_line_error(res, f"train_grpo.py: error: {state}: {message}")
         assert "resuming from" not in res.stdout and "training prompts" not in res.stdout
         assert (out / "args.json").read_bytes() == before
+
+
+# -----------------------------------------------------------------------------
+# The tools refuse what they cannot do, before they work (issue 51, item 5): each case once ran, then failed or
+# printed what it could not compute; now one line, before any run, engine or prediction.
+
+
+PER_RUN_FLAGS = [["--agg", "token"], ["--agg=token"], ["--ag", "token"], ["--seed", "7"], ["--model", "demo"],
+                 ["--output-dir", "elsewhere"], ["--eval-dataset", "demo-test"], ["--policy-loss", "gspo"],
+                 ["--no-std-norm"]]
+
+
+@pytest.mark.parametrize("extra", PER_RUN_FLAGS, ids=[" ".join(f) for f in PER_RUN_FLAGS])
+def test_ablation_refuses_a_trainer_flag_it_sets_per_run(extra, tmp_path, monkeypatch, capsys):
+    from scripts import ablation
+
+    # `-- --agg token` came after each run's own --agg: seq, token and balanced all trained token
+    flag = train_grpo.parse_args(extra).flags_given[0]
+    monkeypatch.setattr(ablation.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a[0]}"))
+    monkeypatch.setattr(sys, "argv", ["ablation.py", "--out", str(tmp_path / "abl"), "--", *extra])
+    with pytest.raises(SystemExit):
+        ablation.main()
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith(f"ablation.py: error: --{flag.replace('_', '-')} after -- would override what the "
+                           "ablation sets per run: ") and said.endswith(ablation.PER_RUN[flag]), said
+    assert not (tmp_path / "abl").exists()
+    # every flag a run's command sets is one of them (a flag added to train_args must be added there)
+    for agg in train_grpo.AGGS:
+        assert set(train_grpo.parse_args(ablation.train_args("lab", agg, "ppo", 1, tmp_path, [])).flags_given) \
+            <= set(ablation.PER_RUN)
+
+
+def broken_args_json(run: Path) -> Path:
+    """args.json as a kill halfway through its write leaves it."""
+    text = json.dumps(vars(train_grpo.parse_args(["--model", "lab", "--agg", "balanced", "--seed", "1"])), indent=1)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "args.json").write_text(text[: len(text) // 2])
+    return run / "args.json"
+
+
+def test_a_cut_args_json_is_named_by_every_reader(tmp_path, monkeypatch):
+    import evaluate
+    from data.demo import model_dir
+    from scripts import ablation, compare_rules
+
+    run = tmp_path / "abl" / "lab-balanced-s1"
+    path = broken_args_json(run)
+    shutil.copytree(model_dir("lab"), run / "checkpoints" / "step_000001", ignore=shutil.ignore_patterns("eval"))
+    named = f"{path} cannot be read as JSON ("
+    for read in (grpo_run.read_args_json, ablation.finished, evaluate.run_args,
+                 lambda r: grpo_run.recorded_args(r, train_grpo.parse_args([])),
+                 lambda r: compare_rules.run_table(r.parent)):
+        with pytest.raises(ValueError) as e:  # evaluate.py once said only "Unterminated string starting at: ..."
+            read(run)
+        assert str(e.value).startswith(named) and str(e.value).endswith("repair or remove it"), str(e.value)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--run", str(run), "--benchmarks", "demo-test", "--n", "1", "--limit", "1"])
+    assert str(e.value.code).startswith(f"evaluate.py: error: {named}")
+    # the ablation once took it for a run to train again (ablation.finished: False): now named before any run
+    monkeypatch.setattr(ablation.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a[0]}"))
+    monkeypatch.setattr(sys, "argv", ["ablation.py", "--aggs", "balanced", "--seeds", "1", "--out", str(run.parent)])
+    with pytest.raises(SystemExit) as e:
+        ablation.main()
+    assert str(e.value.code).startswith(f"ablation.py: error: {named}")
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="is not the trainer's args.json .a JSON object of its arguments, not a list"):
+        grpo_run.read_args_json(run)
+    path.unlink()
+    assert grpo_run.read_args_json(run) is None and evaluate.run_args(str(run)) == {} and not ablation.finished(run)
+
+
+def test_compare_rules_on_runs_shorter_than_it_reads(tmp_path, monkeypatch):
+    from scripts import compare_rules
+
+    for agg in ("token", "balanced"):  # finished runs of 3 steps: once KeyError: -1 (late accuracy, steps T-4..T)
+        for seed in (1, 2):
+            run = tmp_path / f"lab-check-{agg}-s{seed}"
+            run.mkdir()
+            (run / "args.json").write_text(json.dumps({"agg": agg, "seed": seed, "model": "lab", "steps": 3}))
+            (run / "metrics.jsonl").write_text("".join(json.dumps(
+                {"step": s, "reward/accuracy": 0.5, "length/mean": 9.0, "length/pos_neg_gap": 5.0, "loss/pg": 0.1})
+                + "\n" for s in range(1, 4)))
+    monkeypatch.setattr(sys, "argv", ["compare_rules.py", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        compare_rules.main()
+    assert str(e.value.code) == (f"compare_rules.py: error: {tmp_path / 'lab-check-token-s1'}: 3 training steps "
+                                 "(its --steps); the comparison needs at least 5 (it reads steps 1-5 and the last 5): "
+                                 "train runs of --steps 5 or more (ablation.py ... -- --steps N)")
+
+
+def test_evaluate_refuses_max_tokens_that_leave_no_prompt_room(tmp_path):
+    from transformers import AutoTokenizer
+
+    import evaluate
+    from data.demo import model_dir
+
+    run = tmp_path / "run"
+    shutil.copytree(model_dir("lab"), run / "checkpoints" / "step_000001", ignore=shutil.ignore_patterns("eval"))
+    (run / "args.json").write_text(json.dumps({"agg": "balanced"}))
+    ckpt = run / "checkpoints" / "step_000001"
+    common = ["--run", str(run), "--benchmarks", "demo-test", "--template", "plain", "--n", "1", "--limit", "4"]
+    # --max-tokens 3072 (the default) in the lab's 512-token context: once the engine started, skipped every prompt
+    # and printed a table of zeros; its 4 prompts need 13-14 tokens
+    for flags, context, fix in (([], 512, "give --max-tokens 498 or less"),
+                                (["--max-tokens", "30", "--max-model-len", "40"], 40, "give --max-tokens 26 or less")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main([*common, *flags])
+        assert str(e.value.code) == (f"evaluate.py: error: --max-tokens {flags[1] if flags else 3072} leaves no room "
+                                     f"for any prompt of demo-test in the {context}-token context of {ckpt} (its "
+                                     f"prompts need 13-14 tokens, and every one would score 0): {fix}")
+    assert not (ckpt / "eval").exists()
+    args = evaluate.parse_args([*common, "--max-tokens", "27", "--max-model-len", "40"])  # 3 of 4 left out: it runs
+    evaluate.check_prompt_room(str(ckpt), AutoTokenizer.from_pretrained(ckpt), evaluate.load_benchmarks(args), args)
+
+
+def test_prompts_left_out_of_the_context_are_counted_under_the_table(tmp_path):
+    import evaluate
+
+    args = evaluate.parse_args(["--model", "demo", "--benchmarks", "demo-test", "--n", "2"])
+    cache = tmp_path / "ckpt" / "eval" / evaluate.settings_key(args)[0]
+    cache.mkdir(parents=True)
+    rows = [{"id": f"p{i}"} for i in range(4)]
+    recs = [{"id": "p0", "scores": [1.0, 0.0]}, {"id": "p1", "scores": [1.0, 1.0]},
+            *({"id": f"p{i}", "scores": [0.0, 0.0], "skipped": "prompt too long"} for i in (2, 3))]
+    (cache / "demo-test.samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    results = evaluate.checkpoint_results(str(tmp_path / "ckpt"), {"demo-test": rows}, args)
+    assert results["demo-test"]["skipped"] == 2
+    note = "demo-test: 2 of 4 prompts longer than the context minus --max-tokens scored 0, unsampled"
+    assert evaluate.format_table(results, 2).splitlines()[-1] == note
+    table = evaluate.runs_table({"r": {1: results}}, {"r": ["r"]}, ["demo-test"], 2)
+    assert table.splitlines()[-1] == note and table.splitlines()[-2] == ""
+    del results["demo-test"]["skipped"]
+    assert "longer than the context" not in evaluate.format_table(results, 2)
+
+
+def test_reproduce_tables_only_names_the_runs_it_lacks_before_any_table(tmp_path, monkeypatch):
+    from scripts import ablation, reproduce
+
+    monkeypatch.setattr(reproduce, "ROOT", tmp_path)  # no runs/ there
+    monkeypatch.setattr(reproduce.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a[0]}"))  # no prediction
+    monkeypatch.setattr(sys, "argv", ["reproduce.py", "--tables-only", "lab-check"])
+    with pytest.raises(SystemExit) as e:  # once minutes of --predict, then compare_rules: no such directory
+        reproduce.main()
+    trains = reproduce.EXPERIMENTS["lab-check"][1][0]
+    assert str(e.value.code) == (
+        "reproduce.py: error: --tables-only: lab-check's tables read 30 runs or files not there "
+        "(runs/compare-lab-check/lab-check-seq-s1, runs/compare-lab-check/lab-check-token-s1, "
+        f"runs/compare-lab-check/lab-check-balanced-s1, ...); train them with `python -m scripts.ablation "
+        f"{' '.join(trains)}`")
+
+    def trained(argv: list[str], steps: int) -> None:  # each run's last checkpoint its final step
+        for run in ablation.planned_runs(ablation.parser().parse_args(argv[: argv.index("--")] if "--" in argv
+                                                                      else argv)):
+            (tmp_path / run / "checkpoints").mkdir(parents=True)
+            (tmp_path / run / "args.json").write_text(json.dumps({"steps": steps}))
+            (tmp_path / run / "checkpoints" / "latest").write_text(f"step_{steps:06d}")
+
+    trained(trains, 30)
+    assert reproduce.untrained("lab-check") == []
+    # the lab's evaluated table and figures, and the length study's reading of the lab's runs (another experiment's)
+    lab = reproduce.EXPERIMENTS["lab"][1][0]
+    assert [a for a, _ in reproduce.untrained("length-study")][0] == lab
+    trained(lab, 40)
+    assert reproduce.untrained("lab") == [(lab, [Path("runs/ablation-lab/eval_table.md"),
+                                                 *(Path(src) for src, _ in reproduce.FIGURES["lab"])])]
+    assert lab not in [a for a, _ in reproduce.untrained("length-study")]
