@@ -698,7 +698,7 @@ def main() -> None:
     results["peer"] = peer_row(args, step) if rank == 0 else None
 
     if rank == 0:
-        from tests.reward_cases import cases  # real MATH-500 solutions, half scored against a wrong answer
+        from data.reward_cases import cases  # real MATH-500 solutions, half scored against a wrong answer
 
         cs = cases("math500") if (Path(args.data_dir) / "math500.jsonl").exists() else None
         if cs:
@@ -757,8 +757,8 @@ def main() -> None:
 
 def code_reward_rates(workers: int) -> dict[str, float]:
     """Responses/second of compute_rewards on code that passes, each set after its workers are up."""
+    from data.reward_cases import code_cases
     from rewards import compute_rewards
-    from tests.reward_cases import code_cases
 
     rates = {}
     for kind in ("humaneval", "livecodebench_stdin"):

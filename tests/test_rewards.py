@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reward_cases import BENCHMARKS, FILES, cases
 
 import rewards
+from data.reward_cases import BENCHMARKS, FILES, cases
 from rewards import code_reward, compute_rewards, extract_answer, math_reward, normalize
 from sandboxed import sandbox
 

@@ -843,7 +843,7 @@ def unreclaimable() -> int:
 def test_kernel_memory_is_bounded_per_sandbox(clean_machine):
     """A sandbox that pins what it can (ACLs, xattrs, files) grows the host's unreclaimable memory by less
     than 256 MiB, and a sibling's canonical answers, scored meanwhile, still pass."""
-    from reward_cases import code_cases
+    from data.reward_cases import code_cases
 
     before, hog = unreclaimable(), {}
     thread = threading.Thread(target=lambda: hog.update(out=sandbox.run_sandboxed(ship(kernel_hog, 2.5, 2.0))[1]))

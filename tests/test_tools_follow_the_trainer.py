@@ -58,3 +58,17 @@ def test_a_leave_one_out_advantage_in_the_trainer_reaches_every_tool(tmp_path):
     as_is = tool_numbers(ROOT, tmp_path)  # the flag recorded, but no trainer of this project reads it
     assert as_is["False"] == as_is["True"] == forked["False"], (as_is, forked)
     assert as_is["bench_step"] is None
+
+
+def test_no_script_imports_the_tests():
+    # the tools run from a clone without its tests/ (a fork that drops them, a wheel): what they share with the
+    # tests lives beside the code (data/reward_cases.py), not in tests/
+    import ast
+
+    from conftest import ROOT
+
+    for path in (ROOT / "scripts").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "tests" or n.startswith("tests.") for n in names), f"{path.name} imports {names}"

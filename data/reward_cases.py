@@ -1,4 +1,5 @@
-"""Benchmark-derived (response, reference) cases for the math reward tests.
+"""Benchmark-derived (response, reference) cases for the math and code rewards: the reward tests and
+scripts/bench_step.py read them.
 
 Each math file of data/benchmarks gives, per row, a response that should score 1 against
 its own answer and 0 against a different problem's (different) answer. Where the source has a
