@@ -336,7 +336,7 @@ def checkpoint_results(ckpt: str, benchmarks: dict[str, list[dict]], args) -> di
             raise RuntimeError(f"{ckpt}: {len(missing)} {name} problems have no samples (first: {missing[0]})")
         results[name] = benchmark_metrics([last[r["id"]]["scores"] for r in rows], args.n)
         if skipped := sum(bool(last[r["id"]].get("skipped")) for r in rows):
-            results[name]["skipped"] = skipped  # scored 0 unsampled: said under every table that holds it
+            results[name]["skipped"] = skipped  # scored 0, no response drawn: said under every table
         if any(r.get("tests_in_prompt") for r in rows):
             results[name]["tests_in_prompt"] = True
     names = list(results)
@@ -358,10 +358,10 @@ def marked(name: str, metrics: dict) -> str:
 
 def skipped_notes(results: list[dict], names: list[str]) -> list[str]:
     """Under a table, each benchmark some of whose prompts left no room for --max-tokens in the context: scored
-    0 unsampled, which its numbers do not show (the most of any checkpoint in the table)."""
+    0 with no response drawn, which its numbers do not show (the most of any checkpoint in the table)."""
     most = {b: max((res[b].get("skipped", 0) for res in results if b in res), default=0) for b in names}
     notes = [f"{b}: {k} of {max(res[b]['problems'] for res in results if b in res)} prompts longer than the context "
-            f"minus --max-tokens scored 0, unsampled" for b, k in most.items() if k]
+            f"minus --max-tokens scored 0, with no response drawn" for b, k in most.items() if k]
     return ["", *notes] if notes else []
 
 

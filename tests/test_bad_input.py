@@ -1137,7 +1137,7 @@ def test_prompts_left_out_of_the_context_are_counted_under_the_table(tmp_path):
     (cache / "demo-test.samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     results = evaluate.checkpoint_results(str(tmp_path / "ckpt"), {"demo-test": rows}, args)
     assert results["demo-test"]["skipped"] == 2
-    note = "demo-test: 2 of 4 prompts longer than the context minus --max-tokens scored 0, unsampled"
+    note = "demo-test: 2 of 4 prompts longer than the context minus --max-tokens scored 0, with no response drawn"
     assert evaluate.format_table(results, 2).splitlines()[-1] == note
     table = evaluate.runs_table({"r": {1: results}}, {"r": ["r"]}, ["demo-test"], 2)
     assert table.splitlines()[-1] == note and table.splitlines()[-2] == ""

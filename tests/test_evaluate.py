@@ -100,7 +100,8 @@ def test_evaluate_run_end_to_end(fake_run):
     for name in ("math500", "humaneval", "demo-test"):
         m = out[name]
         assert m["problems"] == 6
-        assert set(m) == {"problems", "acc@1", "acc@3", "best@1", "best@3"}
+        # "skipped": the prompts the demo model's 512-token context cannot hold, scored 0 and said under the table
+        assert set(m) - {"skipped"} == {"problems", "acc@1", "acc@3", "best@1", "best@3"}
         assert 0 <= m["acc@3"] <= m["best@3"] <= 1
         samples = [json.loads(x) for x in (key_dirs[0] / f"{name}.samples.jsonl").read_text().splitlines()]
         assert len({s["id"] for s in samples}) == 6 and all(len(s["scores"]) == 3 for s in samples)
