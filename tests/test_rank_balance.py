@@ -62,7 +62,7 @@ def test_no_log_prob_pass_runs_where_nothing_learns(monkeypatch):
     args = T.parse_args(["--model", "demo", "--minibatches", "2", "--group-size", "4"])
     calls = []
     monkeypatch.setattr(T, "fill_logprobs", lambda engine, rollouts, key, *a: calls.append(key))
-    monkeypatch.setattr(T, "all_reduce", lambda values, op="sum": torch.tensor(values, dtype=torch.float64))
+    monkeypatch.setattr(T, "all_reduce", lambda values, op="sum": torch.as_tensor(values, dtype=torch.float64))
     monkeypatch.setattr(T, "update_minibatch", lambda *a: calls.append("update") or {"skipped": 0})
     engine = SimpleNamespace(train=lambda: None)
     rollouts = synthetic_rollouts(8, 4, 8, 100, seed=0)
