@@ -730,6 +730,22 @@ def resumed_sizes(recorded: dict, here: dict, flags_given) -> tuple[dict, int | 
     return {}, tokens if here.get("device") == "cuda" and isinstance(tokens, int) and tokens > 0 else None
 
 
+def apply_recorded_sizes(args, recorded: dict, here: dict, checkpoint: Path | None, rank: int) -> int | None:
+    """The micro-batch sizes `checkpoint` recorded, set in `args` where resumed_sizes reuses them (the run's own
+    budget, not measured anew: --deterministic cuts the same micro-batches), said in one line; returns the cap
+    on a budget measured anew (recorded on another device)."""
+    sizes, cap = resumed_sizes(recorded, here, args.flags_given)
+    vars(args).update(sizes)
+    if rank == 0 and sizes:
+        print("[grpo] micro-batches as the run recorded them: " + ", ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in sorted(sizes.items())), flush=True)
+    elif rank == 0 and recorded and not SIZE_FLAGS & set(args.flags_given):  # recorded on another device
+        print(f"[grpo] {checkpoint.name} cut its micro-batches on {device_words(recorded)}, this launch runs on "
+              f"{device_words(here)}: " + (f"the token budget is measured anew at the first update, at most the "
+                                           f"recorded {cap} tokens" if cap else "sizes of its own"), flush=True)
+    return cap
+
+
 def free_port() -> int:
     """A port no process on this host listens on now, for a launch's rendezvous (two runs on one
     host would otherwise meet on the launcher's default 29500, and one rank join the other's run)."""
@@ -936,6 +952,20 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
 
 
 MEMORY_SHARE = 0.9  # of the free memory: the caching allocator's fragmentation and what the model leaves out
+# memory_model's groups: what a rank keeps between steps, and what a micro-batch holds whatever its tokens
+RESIDENT_GROUPS = ("parameter partitions", "master weights", "gradient partitions", "optimizer states", "reduce bucket")
+FIXED_GROUPS = ("log-prob chunk", "embedding and lm_head", "live parameters")
+
+
+def resident_bytes(model: dict[str, float]) -> float:
+    return sum(model[g] for g in RESIDENT_GROUPS)
+
+
+def micro_batch_bytes(model: dict[str, float], tokens: int, backward: bool = True) -> float:
+    """What a micro-batch of `tokens` holds beside the resident states (memory_model's groups): its fixed bytes,
+    its tokens' and, with a backward, the gradients in flight at its end."""
+    fixed = sum(model[g] for g in FIXED_GROUPS)
+    return fixed + model["per_token"] * tokens + (model["gradients in flight"] if backward else 0.0)
 
 
 def token_budget(model: dict[str, float], free_bytes: int, longest: int, to_come: float = 0) -> int:
@@ -944,7 +974,7 @@ def token_budget(model: dict[str, float], free_bytes: int, longest: int, to_come
     (vLLM asleep), less `to_come`: what the trainer has yet to allocate for good (Adam's moments, before the
     first optimizer step). At least one longest sequence. Ranks may differ: each evens out its count of
     micro-batches with the others (rank_micro_batches)."""
-    room = MEMORY_SHARE * (free_bytes - to_come) - model["fixed"] - model["gradients in flight"]
+    room = MEMORY_SHARE * (free_bytes - to_come) - micro_batch_bytes(model, 0)
     return int(max(room // model["per_token"], longest))
 
 
@@ -991,7 +1021,7 @@ def device_fit_problem(model: dict[str, float], total: int, device_name: str, vl
     moments; less what is offloaded to the host) and the reduce bucket; beside them, in turn, vLLM's share
     (--vllm-gpu-memory: the rollout, and every wake-up takes it back) and, while vLLM sleeps, the update of one
     longest sequence and the optimizer step's transients. None if it fits, else one line saying what would."""
-    update = model["fixed"] + model["gradients in flight"] + model["per_token"] * longest
+    update = micro_batch_bytes(model, longest)
     bucket, params, per_param = model["reduce bucket"], model["params"], sum(kept.values())
     step = model["step"] if "Adam's moments" in kept else 0.0  # offloaded, the optimizer steps on the host
     beside = max(vllm_share * total, update, step)
@@ -1033,6 +1063,34 @@ def balanced_deal(tokens: list[int], world: int) -> list[list[int]]:
         parts[hi][parts[hi].index(a)], parts[r][parts[r].index(b)] = b, a
         load[hi], load[r] = load[hi] - tokens[a] + tokens[b], load[r] + tokens[a] - tokens[b]
     return [sorted(p) for p in parts]
+
+
+def balance_ranks(rollouts: list[dict], group_size: int, minibatches: int, rank: int, world: int,
+                  all_gather: Callable) -> tuple[list[dict], dict[str, float]]:
+    """This rank's groups once each mini-batch's groups (every rank's k-th share) are dealt anew by their tokens
+    (balanced_deal), and the max / mean of per-rank tokens of the slowest mini-batch before and after: the slowest
+    rank sets every step's pace. A mini-batch keeps its groups and every normaliser is summed over ranks
+    (train_grpo.loss_weights), so the gradient is the same. Only the groups that move are sent (`all_gather`:
+    train_grpo.all_gather_objects, a collective)."""
+    n = len(rollouts) // group_size
+    if world == 1 or n == 0 or n % minibatches:
+        return rollouts, {}
+    group = lambda j: rollouts[j * group_size : (j + 1) * group_size]  # noqa: E731
+    every = all_gather([sum(len(r["tokens"]) for r in group(j)) for j in range(n)])
+    per, owner, mine, before, after = n // minibatches, {}, [], [], []
+    for k in range(minibatches):
+        ids = [(r, j) for r in range(world) for j in range(k * per, (k + 1) * per)]
+        parts = balanced_deal([every[r][j] for r, j in ids], world)
+        owner.update({ids[i]: r for r, part in enumerate(parts) for i in part})
+        mine += [ids[i] for i in parts[rank]]
+        spread = lambda loads: max(loads) * world / max(1, sum(loads))  # noqa: E731
+        before.append(spread([sum(every[r][k * per : (k + 1) * per]) for r in range(world)]))
+        after.append(spread([sum(every[ids[i][0]][ids[i][1]] for i in part) for part in parts]))
+    leaving = {j: [{key: v for key, v in r.items() if key not in ("row", "text")} for r in group(j)]
+               for j in range(n) if owner[(rank, j)] != rank}
+    arrived = all_gather(leaving)
+    dealt = [r for src, j in mine for r in (group(j) if src == rank else arrived[src][j])]
+    return dealt, {"perf/rank_tokens_max_mean": max(after), "perf/rank_tokens_max_mean_as_sampled": max(before)}
 
 
 # -----------------------------------------------------------------------------

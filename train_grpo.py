@@ -63,7 +63,8 @@ sys.path.insert(0, str(ROOT))
 from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run directory, checkpoints, metrics)
     LAUNCH,
     SIZE_FLAGS,
-    balanced_deal,
+    apply_recorded_sizes,
+    balance_ranks,
     check_args,
     check_jit_cache,
     check_output_dir,
@@ -71,7 +72,6 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     damaged_shard,
     device_fit,
     device_record,
-    device_words,
     exit_without_teardown,
     first_line,
     free_port,
@@ -85,7 +85,6 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     open_loggers,
     pin_mismatch,
     resume_point,
-    resumed_sizes,
     rng_state,
     run_identity,
     save_checkpoint,
@@ -375,33 +374,6 @@ def deal_groups(held: dict[int, list[dict]], kept: list[int], target: int, minib
                for gid, g in held.items() if owner.get(gid, rank) != rank}
     arrived = {gid: g for part in all_gather_objects(leaving) for gid, g in part.items()}
     return [r for gid in kept[rank * share : (rank + 1) * share] for r in held.get(gid) or arrived[gid]]
-
-
-def balance_ranks(rollouts: list[dict], group_size: int, minibatches: int, rank: int,
-                  world: int) -> tuple[list[dict], dict[str, float]]:
-    """This rank's groups once each mini-batch's groups (every rank's k-th share) are dealt anew by their tokens
-    (balanced_deal), and the max / mean of per-rank tokens of the slowest mini-batch before and after: the slowest
-    rank sets every step's pace. A mini-batch keeps its groups and every normaliser is summed over ranks
-    (loss_weights), so the gradient is the same. Only the groups that move are sent."""
-    n = len(rollouts) // group_size
-    if world == 1 or n == 0 or n % minibatches:
-        return rollouts, {}
-    group = lambda j: rollouts[j * group_size : (j + 1) * group_size]  # noqa: E731
-    every = all_gather_objects([sum(len(r["tokens"]) for r in group(j)) for j in range(n)])
-    per, owner, mine, before, after = n // minibatches, {}, [], [], []
-    for k in range(minibatches):
-        ids = [(r, j) for r in range(world) for j in range(k * per, (k + 1) * per)]
-        parts = balanced_deal([every[r][j] for r, j in ids], world)
-        owner.update({ids[i]: r for r, part in enumerate(parts) for i in part})
-        mine += [ids[i] for i in parts[rank]]
-        spread = lambda loads: max(loads) * world / max(1, sum(loads))  # noqa: E731
-        before.append(spread([sum(every[r][k * per : (k + 1) * per]) for r in range(world)]))
-        after.append(spread([sum(every[ids[i][0]][ids[i][1]] for i in part) for part in parts]))
-    leaving = {j: [{key: v for key, v in r.items() if key not in ("row", "text")} for r in group(j)]
-               for j in range(n) if owner[(rank, j)] != rank}
-    arrived = all_gather_objects(leaving)
-    dealt = [r for src, j in mine for r in (group(j) if src == rank else arrived[src][j])]
-    return dealt, {"perf/rank_tokens_max_mean": max(after), "perf/rank_tokens_max_mean_as_sampled": max(before)}
 
 
 # -----------------------------------------------------------------------------
@@ -906,11 +878,11 @@ def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, de
     return sums
 
 
-def memory_to_update(llm, engine, args, rank: int) -> int | None:
+def memory_to_update(llm, engine, args, rank: int, cap: int | None = None) -> int | None:
     """CUDA, after the rollout: vLLM sleeps at level 2 (weights discarded, not copied to host: the sync
     reloads them; its KV cache freed); returns the micro-batches' token budget that the memory free then
     gives, where the run has none yet (its first step; a resumed run keeps the budget its first launch
-    recorded, so --deterministic cuts the same ones)."""
+    recorded, so --deterministic cuts the same ones), at most `cap` (one recorded on another device)."""
     llm.sleep(level=2)
     torch.cuda.empty_cache()
     if args.micro_batch_tokens is not None:
@@ -920,6 +892,11 @@ def memory_to_update(llm, engine, args, rank: int) -> int | None:
         print(f"[grpo] micro-batches of up to {budget} tokens (--micro-batch-tokens; "
               f"{model['per_token'] / 2**20:.2f} MiB a token, {model['fixed'] / 2**30:.1f} GiB fixed: "
               "memory_model)", flush=True)
+    if cap and cap < budget:
+        if rank == 0:
+            print(f"[grpo] micro-batches of up to {cap} tokens, as the run recorded them: not the {budget} "
+                  "measured here", flush=True)
+        return cap
     return budget
 
 
@@ -1418,15 +1395,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"train_grpo.py: error: {e}")
     here = device_record(cuda, local_rank, args.vllm_gpu_memory)
-    sizes, cap = resumed_sizes(recorded, here, args.flags_given)
-    vars(args).update(sizes)  # the run's own budget, not measured anew: --deterministic cuts the same micro-batches
-    if rank == 0 and sizes:
-        print("[grpo] micro-batches as the run recorded them: " + ", ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in sorted(sizes.items())), flush=True)
-    elif rank == 0 and recorded and not SIZE_FLAGS & set(args.flags_given):  # recorded on another device
-        print(f"[grpo] {resumed.name} cut its micro-batches on {device_words(recorded)}, this launch runs on "
-              f"{device_words(here)}: " + (f"the token budget is measured anew at the first update, at most the "
-                                           f"recorded {cap} tokens" if cap else "sizes of its own"), flush=True)
+    cap = apply_recorded_sizes(args, recorded, here, resumed, rank)
     if rank == 0:
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
               f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}, policy loss {args.policy_loss} ("
@@ -1449,12 +1418,9 @@ def main(argv: list[str] | None = None) -> None:
         rollouts, order, sampling = sample_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
                                                 lambda text: bar.set_postfix_str(text, refresh=True))
         rstats["generated"] = sum(r["length"] for r in rollouts)  # this rank's, before some move to another
-        rollouts, balance = balance_ranks(rollouts, args.group_size, args.minibatches, rank, world)
-        if cuda and (budget := memory_to_update(llm, engine, args, rank)) is not None:
-            args.micro_batch_tokens = min(budget, cap or budget)  # --micro-batch-tokens: recorded with the checkpoints
-            if rank == 0 and cap and cap < budget:
-                print(f"[grpo] micro-batches of up to {cap} tokens, as the run recorded them: not the {budget} "
-                      "measured here", flush=True)
+        rollouts, balance = balance_ranks(rollouts, args.group_size, args.minibatches, rank, world, all_gather_objects)
+        if cuda and (budget := memory_to_update(llm, engine, args, rank, cap)) is not None:
+            args.micro_batch_tokens = budget  # --micro-batch-tokens, measured: recorded with the checkpoints
 
         # 3. advantages within each group
         adv = advantages(torch.tensor([r["reward"] for r in rollouts], dtype=torch.float64), args)

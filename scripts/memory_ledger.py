@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import train_grpo as T  # noqa: E402
-from grpo_run import memory_model  # noqa: E402
+from grpo_run import memory_model, micro_batch_bytes, resident_bytes  # noqa: E402
 from scripts.bench_step import synthetic_rollouts  # noqa: E402
 
 # Small shapes in Qwen2.5's proportions: intermediate ~5.8 hidden, vocabulary ~100 hidden (the embedding a large
@@ -71,8 +71,6 @@ GROUPS = [
                                "independent_gradient_partition", "__add_grad_to_ipg_bucket", "backward_epilogue")),
     ("activations", ("token_logprobs",)),
 ]
-# states the engine holds, filed by identity (what each is in DeepSpeed 0.19.8's stage3.py / torch's AdamW)
-STATE_GROUPS = ("parameter partitions", "master weights", "gradient partitions", "optimizer states", "reduce bucket")
 
 
 def group_of_stack(phase: str) -> str:
@@ -155,19 +153,18 @@ def predicted_peak(phase: str, model: dict, ledger: dict) -> float | None:
     then beside them the micro-batch's fixed bytes, gradients in flight and tokens; the optimizer step's
     transients; a forward-only pass's fixed bytes and tokens (at most the budget); a resume's checkpoint read
     beside the states but Adam's moments; a save's gathered parameters."""
-    resident = sum(model[g] for g in STATE_GROUPS)
-    fixed = sum(model[g] for g in ("log-prob chunk", "embedding and lm_head", "live parameters"))
+    resident = resident_bytes(model)
     step, _, part = phase.partition(": ")
     if part == "micro-batches":
-        return resident + fixed + model["gradients in flight"] + model["per_token"] * ledger["tokens"][step]
+        return resident + micro_batch_bytes(model, ledger["tokens"][step])
     if part == "optimizer step":
         return resident + model["step"]
     if part == "log-probs":
-        return resident + fixed + model["per_token"] * ledger["settings"]["micro_batch_tokens"]
+        return resident + micro_batch_bytes(model, ledger["settings"]["micro_batch_tokens"], backward=False)
     if phase == "resume: load":
         return resident - model["optimizer states"] + model["checkpoint read"]
     if phase == "save":
-        return resident + fixed
+        return resident + micro_batch_bytes(model, 0, backward=False)
     return None
 
 

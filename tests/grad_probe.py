@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpo_run  # noqa: E402
 import train_grpo  # noqa: E402
 
 
@@ -109,7 +110,7 @@ def main() -> None:
         moved = 0
         if dealt == "dealt":
             mine = {id(r) for r in local}
-            local, _ = train_grpo.balance_ranks(local, G, 1, rank, world)
+            local, _ = grpo_run.balance_ranks(local, G, 1, rank, world, train_grpo.all_gather_objects)
             moved = sum(id(r) not in mine for r in local)
             adv = train_grpo.group_advantages(torch.tensor([r["score"] for r in local], dtype=torch.float64), G)
         for r, a in zip(local, adv.tolist()):

@@ -11,8 +11,8 @@ import sys
 import pytest
 from conftest import ROOT, cpu_env
 
+from grpo_run import RESIDENT_GROUPS as STATES
 from scripts.memory_ledger import SHAPES, predicted_peak
-from scripts.memory_ledger import STATE_GROUPS as STATES
 
 # What a rank keeps between steps (STATES: its parameter partitions, master weights, gradient partitions, Adam's
 # moments, the reduce bucket) is counted exactly: each group's bytes are its tensors' elements times their size.

@@ -1,4 +1,4 @@
-"""Ranks balanced by tokens (grpo_run.balanced_deal, train_grpo.balance_ranks), micro-batches cut by their own
+"""Ranks balanced by tokens (grpo_run.balanced_deal, grpo_run.balance_ranks), micro-batches cut by their own
 sizing, no log-prob pass where nothing learns. tests/test_invariance.py holds the gradient of a batch dealt by
 tokens to the 1-rank gradient on 2 ranks."""
 

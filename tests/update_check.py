@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import train_grpo as T  # noqa: E402
-from grpo_run import check_args, checkpoint_problem  # noqa: E402
+from grpo_run import check_args, checkpoint_problem, micro_batch_bytes  # noqa: E402
 from scripts.bench_step import SHAPES, synthetic_rollouts  # noqa: E402
 
 # a redo within this share of the update's own change is kernel noise; a broken resume moves the update by far
@@ -194,8 +194,7 @@ def main() -> None:
         # and the gradients in flight, a largest micro-batch
         per_minibatch = args.prompts_per_step // world * args.group_size // args.minibatches
         largest = min(args.micro_batch_tokens, per_minibatch * (a.prompt_len + a.response_len))
-        result["predicted_peak_gib"] = (held + to_come + memory["fixed"] + memory["gradients in flight"]
-                                        + memory["per_token"] * largest) / 2**30
+        result["predicted_peak_gib"] = (held + to_come + micro_batch_bytes(memory, largest)) / 2**30
     (out / f"update_check_rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         print(f"[update check] {a.shape} ({result['params'] / 1e9:.2f}B parameters), {world} rank(s) on "
