@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 import train_grpo as T
-from grpo_run import check_finite, is_hub_id, memory_model, model_dir_problem, token_budget
+from grpo_run import check_finite, is_hub_id, micro_batch_bytes, model_dir_problem, token_budget
 
 ROOT = Path(__file__).resolve().parent.parent  # the project's root
 _KEEP: list = []
@@ -527,17 +527,17 @@ def update_benchmark(args) -> None:
     modes = {}
     for mode in ("packed", "padded"):  # the same engine, responses and budget rule; only the rows differ
         args.padded = mode == "padded"
-        memory = memory_model(config, args.gradient_checkpointing, args.logprob_chunk, T.attention_kind(args, cuda),
-                                max(lens), engine.zero_max_live_parameters())
-        held = torch.cuda.memory_allocated() if cuda else 0  # the ZeRO-3 states, outside the model's count
+        memory = T.trainer_memory(engine, args, max(lens), T.attention_kind(args, cuda))
+        held = torch.cuda.memory_allocated() if cuda else 0  # the ZeRO-3 states held now
+        to_come = T.states_to_come(engine, memory)  # Adam's moments, before the first step (the first mode's)
         if budget_given is None:  # CUDA: as the trainer sizes it at its first update
-            args.micro_batch_tokens = token_budget(memory, torch.cuda.mem_get_info()[0], max(lens))
+            args.micro_batch_tokens = token_budget(memory, torch.cuda.mem_get_info()[0], max(lens), to_come)
         parts = T.rank_micro_batches(rollouts, args.micro_batch_size, args.micro_batch_tokens, not args.padded)
         t_update = timed(lambda: T.update_minibatch(engine, rollouts, w, args, device))
         largest = max(sum(lens[i] for i in b) if not args.padded else len(b) * lens[b[-1]] for b in parts)
         tot = T.all_reduce([sum(lens) / t_update, flops / t_update])
         slowest = T.all_reduce([t_update, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-                                len(parts), (held + memory["fixed"] + memory["per_token"] * largest) / 2**30],
+                                len(parts), (held + to_come + micro_batch_bytes(memory, largest)) / 2**30],
                                "max").tolist()
         modes[mode] = {"micro_batch_tokens": args.micro_batch_tokens, "micro_batches": int(slowest[2]),
                        "padding_share": padding_share(rollouts, args.micro_batch_size, args.micro_batch_tokens,
