@@ -58,6 +58,8 @@ def test_two_rank_run(agg, minibatches, correction, loss, extra, demo_dir, tmp_p
         assert not missing, missing
         assert all(math.isfinite(r[k]) for k in EXPECTED)
         assert 0 <= r["reward/accuracy"] <= 1 and r["length/mean"] > 0 and r["perf/gen_tokens_per_s"] > 0
+        # the ranks' tokens after balance_ranks dealt each mini-batch's groups, and as sampled: max / mean >= 1
+        assert 1 <= r["perf/rank_tokens_max_mean"] and 1 <= r["perf/rank_tokens_max_mean_as_sampled"]
         if r["train/no_signal"]:  # no update, so nothing trained and no mismatch measured
             assert r["perf/train_tokens_per_s"] == 0 and not set(MISMATCH) & set(r)
             continue
