@@ -410,7 +410,7 @@ def group_runs(runs: list[str]) -> dict[str, list[str]]:
     """Runs of one setting (the same arguments but the seed) under one label: the arguments that
     differ between the settings ('token', 'lab-nogap balanced'), or each run alone by its name."""
     # what may differ between one run's launches, plus the seed and where it is written
-    same_setting = grpo_run.RUN_ARGS_IGNORED | {"seed", "output_dir"}
+    same_setting = grpo_run.not_identity() | {"seed", "output_dir"}
 
     def setting(run: str) -> str:
         a = run_args(run)
@@ -483,16 +483,10 @@ def runs_table(per_run: dict[str, dict[int, dict]], groups: dict[str, list[str]]
 
 
 def training_curves(run: str, keys: list[str]) -> dict[str, dict[int, float]]:
-    """Per-step training metrics of a run from its metrics.jsonl, at x = step - 1: the number of
+    """Per-step training metrics of a run (grpo_run.run_metrics), at x = step - 1: the number of
     updates made before the step's rollout, so the initial policy's rollouts are at 0."""
-    path = Path(run) / "metrics.jsonl"
-    curves = {k: {} for k in keys}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        rec = json.loads(line)
-        for k in keys:
-            if k in rec and rec["step"] > 0:
-                curves[k][rec["step"] - 1] = rec[k]
-    return curves
+    logged = grpo_run.run_metrics(Path(run))
+    return {k: {step - 1: m[k] for step, m in sorted(logged.items()) if k in m and step > 0} for k in keys}
 
 
 def plot_runs(

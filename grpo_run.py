@@ -222,38 +222,58 @@ def pin_mismatch(installed: dict[str, str | None]) -> str | None:
 # The run directory: one writer, the run's identity, what --resume may change
 
 
-# may differ between the launches of one run (the directory is the run, wherever it is); from peak_tflops on:
-# memory, speed, kernels (packed or padded rows), the flags typed
-RUN_ARGS_IGNORED = {"resume", "local_rank", "pad_id", "steps", "reward_workers", "eval_interval", "save_interval",
-                    "keep_last", "max_bad_steps", "output_dir", "report_to", "peak_tflops", "vllm_gpu_memory",
-                    "vllm_max_num_seqs", "logprob_batch_size", "micro_batch_tokens",
-                    "deterministic", "padded", "flags_given"}
+# What a flag is to a run, declared beside the flag in train_grpo.arguments (`a(..., run=(ROLE, ...))`). A flag
+# declared with nothing, as a fork adds one, is part of the run's identity: a launch that changes it is refused.
+#   "resume"  --resume may continue the run with it changed (optimisation knobs, lengths the data order does not
+#             depend on, evaluation)
+#   "launch"  may differ between the launches of one run, which it does not define (the directory is the run,
+#             wherever it is; steps, intervals, logging, memory, speed, kernels)
+#   "device"  its default depends on the device (CUDA or the CPU: train_grpo.parse_args), not the user: a launch
+#             that does not give it is no change of the run, and runs with its own device's default
+#   "size"    a micro-batch size, recorded with every checkpoint for the device it was cut for (checked_sizes)
+# `before=VALUE`: the value runs made before the flag existed were trained with, where its default differs; a
+# record without the flag holds it, and a launch that does not give the flag resumes with it.
+FLAG_ROLES = ("resume", "launch", "device", "size")
+NOT_FLAGS = {"flags_given", "pad_id"}  # what parse_args and the launch add to the arguments: no part of a run
+SAME_BEFORE = object()  # no before-value: runs made before the flag were trained as its default says
+_DECLARED: dict[str, tuple[frozenset[str], object]] = {}  # dest -> (roles, before)
 
 
-# Flags added after runs were made, with the value such a run was trained with where today's default differs:
-# a record without the flag holds this value, and a launch that does not give the flag resumes with it.
-BEFORE_FLAG = {"code_reward": "fraction"}  # code scored the pass fraction before --code-reward (scoring version 1)
+def declare(action: argparse.Action, run: list[str] | tuple[str, ...] = (), before=SAME_BEFORE) -> None:
+    """Record what the flag `action` is to a run (FLAG_ROLES); train_grpo.arguments calls it for every flag."""
+    if unknown := sorted(set(run) - set(FLAG_ROLES)):
+        raise ValueError(f"{action.option_strings[0]}: run={unknown} is not one of {', '.join(FLAG_ROLES)}")
+    _DECLARED[action.dest] = (frozenset(run), before)
 
 
-# may differ after --resume, which continues a run with them changed (optimisation knobs, lengths the data
-# order does not depend on, evaluation); every other argument is the run's identity and never changes
-RESUME_MAY_CHANGE = {"lr", "lr_warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high", "sapo_tau_pos",
-                     "sapo_tau_neg", "kl_coef",
-                     "temperature", "top_p", "max_response_len", "micro_batch_size", "logprob_chunk",
-                     "gradient_checkpointing", "rollout_correction_cap", "eval_dataset",
-                     "eval_limit", "eval_samples"}
+def declared() -> dict[str, tuple[frozenset[str], object]]:
+    """Every flag's roles and before-value, as the trainer's parser declares them."""
+    if not _DECLARED:  # a tool that reads runs without parsing a command
+        import train_grpo
+
+        train_grpo.arguments()
+    return _DECLARED
 
 
-# the sizes whose defaults depend on the device (CUDA or the CPU: train_grpo.parse_args), not on the user: a launch
-# that does not give the flag is not a change of the run, and runs with its own device's default
-DEVICE_DEFAULTS = {"micro_batch_size", "logprob_chunk", "gradient_checkpointing"}
+def flags_with(role: str) -> set[str]:
+    return {k for k, (roles, _) in declared().items() if role in roles}
+
+
+def before_flag() -> dict:
+    return {k: before for k, (_, before) in declared().items() if before is not SAME_BEFORE}
+
+
+def not_identity() -> set[str]:
+    """What may differ between the launches of one run: the "launch" flags and what is no flag."""
+    return flags_with("launch") | NOT_FLAGS
 
 
 def run_identity(args: dict) -> dict:
-    """What makes a run what it is: every argument but RUN_ARGS_IGNORED (so a flag added later is part of
-    it unless said otherwise), --ds-config by its contents (another clone's copy of it is the same run).
+    """What makes a run what it is: every argument but not_identity()'s (so a flag added later is part of
+    it unless declared otherwise), --ds-config by its contents (another clone's copy of it is the same run).
     Recorded in every checkpoint's trainer_state.json as "run"."""
-    identity = {k: v for k, v in args.items() if k not in RUN_ARGS_IGNORED}
+    ignored = not_identity()
+    identity = {k: v for k, v in args.items() if k not in ignored}
     if isinstance(identity.get("ds_config"), str):
         with contextlib.suppress(OSError, ValueError):  # a record whose file is gone: compared by path
             identity["ds_config"] = json.loads(Path(identity["ds_config"]).read_text())
@@ -262,12 +282,12 @@ def run_identity(args: dict) -> dict:
 
 def identity_changes(old: dict, new: dict, defaults: dict) -> tuple[dict, list[str], list[str]]:
     """(the recorded identity `old` with any argument it lacks at its default, as when it was added to the
-    trainer after the run was written (BEFORE_FLAG's value where the run was trained with another); the
+    trainer after the run was written (before_flag()'s value where the run was trained with another); the
     arguments no resume may change and those only --resume may change, on which it differs from this
     launch's identity `new`). `defaults`: the arguments with every flag at its default, for this --model."""
-    old = {**run_identity(defaults), **BEFORE_FLAG, **old}
+    old, may_change = {**run_identity(defaults), **before_flag(), **old}, flags_with("resume")
     differ = [k for k in sorted(new) if old.get(k) != new[k]]
-    return old, [k for k in differ if k not in RESUME_MAY_CHANGE], [k for k in differ if k in RESUME_MAY_CHANGE]
+    return old, [k for k in differ if k not in may_change], [k for k in differ if k in may_change]
 
 
 def shown_changes(keys: list[str], old: dict, new: dict) -> str:
@@ -409,7 +429,7 @@ def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> tuple[l
         record, where = run_identity(recorded), out_dir
     as_trained = {}
     if record is not None:
-        for k, before in BEFORE_FLAG.items():  # a run older than the flag goes on as it was trained
+        for k, before in before_flag().items():  # a run older than the flag goes on as it was trained
             if k not in record and k not in getattr(args, "flags_given", ()) and getattr(args, k) != before:
                 as_trained[k] = before
                 if int(os.environ.get("RANK", "0")) == 0:
@@ -418,7 +438,8 @@ def check_output_dir(args, out_dir: Path, world: int, defaults: dict) -> tuple[l
         given = set(getattr(args, "flags_given", ()))
         new = run_identity({**vars(args), **as_trained})
         record, never, unless_resume = identity_changes(record, new, defaults)
-        unless_resume = [k for k in unless_resume if k not in DEVICE_DEFAULTS or k in given]
+        device = flags_with("device")
+        unless_resume = [k for k in unless_resume if k not in device or k in given]
         if never:
             raise ValueError(f"{where} holds a run with other arguments ({shown_changes(never, record, new)}), "
                              "which no resume changes: use another --output-dir, or its arguments")
@@ -630,7 +651,6 @@ def resume_point(out_dir: Path, world: int) -> str:
 # at the run's first update) and a resume on the same device reuses, unless its command gives one of them; beside
 # them the device they were cut for: its type, and on CUDA its model, its memory and vLLM's share of it, on which
 # the measured budget depends.
-SIZE_FLAGS = {"micro_batch_size", "micro_batch_tokens", "logprob_batch_size"}
 SIZE_DEVICE_KEYS = ("device", "device_name", "device_memory", "vllm_gpu_memory")
 
 
@@ -670,20 +690,20 @@ def _parsed(parse: Callable[[list[str]], argparse.Namespace], argv: list[str]) -
 
 def checked_sizes(sizes, where: Path, parse: Callable[[list[str]], argparse.Namespace],
                   check: Callable[[dict], None]) -> dict:
-    """A checkpoint's "sizes" (`where`: its trainer_state.json), checked as the flags are, before any of it is applied:
-    SIZE_FLAGS and the device keys only; each flag's value as its flag string read by the trainer's parser (`parse`:
-    argv -> arguments; the value must come back as it was recorded: the string "4" is not the number 4), then the
-    trainer's range check over them all (`check`: {key: value} over the launch's arguments, raising ValueError;
-    check_args, whose rules for a null, the flag not given, are those parse_args keeps). A hand-edited or damaged
-    record is a ValueError naming the file and the key."""
-    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    """A checkpoint's "sizes" (`where`: its trainer_state.json), checked as the flags are, before any of it is
+    applied: the "size" flags and the device keys only; each flag's value as its flag string read by the trainer's
+    parser (`parse`: argv -> arguments; the value must come back as it was recorded: the string "4" is not the
+    number 4), then the trainer's range check over them all (`check`: {key: value} over the launch's arguments,
+    raising ValueError; check_args, whose rules for a null, the flag not given, are those parse_args keeps). A
+    hand-edited or damaged record is a ValueError naming the file and the key."""
+    flag, size_flags = (lambda k: "--" + k.replace("_", "-")), flags_with("size")
     if not isinstance(sizes, dict):
         raise ValueError(f'{where}: "sizes" must be a JSON object of the micro-batch sizes (got '
                          f"{json.dumps(sizes)[:60]}); repair the file")
     for k in sizes:
-        if k not in SIZE_FLAGS and k not in SIZE_DEVICE_KEYS:
+        if k not in size_flags and k not in SIZE_DEVICE_KEYS:
             raise ValueError(f'{where}: "sizes" holds {k!r}, which no run records there (only '
-                             f"{', '.join(sorted(SIZE_FLAGS))} and its device); repair the file")
+                             f"{', '.join(sorted(size_flags))} and its device); repair the file")
 
     def bad(k: str, why: str) -> ValueError:
         return ValueError(f'{where}: "sizes"' + (f" key {k}" if k else "") + f": {why}; repair the file")
@@ -691,9 +711,9 @@ def checked_sizes(sizes, where: Path, parse: Callable[[list[str]], argparse.Name
     for k, kind in (("device", str), ("device_name", str), ("device_memory", int)):
         if k in sizes and (not isinstance(sizes[k], kind) or isinstance(sizes[k], bool)):
             raise bad(k, f"{json.dumps(sizes[k])} is not a {'count of bytes' if kind is int else 'name'}")
-    flags = {k: v for k, v in sizes.items() if k in SIZE_FLAGS or k == "vllm_gpu_memory"}
+    flags = {k: v for k, v in sizes.items() if k in size_flags or k == "vllm_gpu_memory"}
     for k, v in flags.items():
-        if v is None and k not in SIZE_FLAGS:  # a size's null is the flag not given: check_args' rules
+        if v is None and k not in size_flags:  # a size's null is the flag not given: check_args' rules
             raise bad(k, "null is not a number")
         if v is None:
             continue
@@ -722,9 +742,10 @@ def resumed_sizes(recorded: dict, here: dict, flags_given) -> tuple[dict, int | 
     cuts the same micro-batches. Otherwise none of them, and on CUDA the budget the run recorded caps the one
     measured at the first update: a budget that another device's or another share's memory gave may not fit here,
     and a larger one measured here is not taken over the record."""
-    sizes = {k: v for k, v in recorded.items() if k in SIZE_FLAGS}
+    size_flags = flags_with("size")
+    sizes = {k: v for k, v in recorded.items() if k in size_flags}
     same = all(recorded.get(k) == here.get(k) for k in SIZE_DEVICE_KEYS)
-    if not recorded or (same and not SIZE_FLAGS & set(flags_given)):
+    if not recorded or (same and not size_flags & set(flags_given)):
         return sizes, None
     tokens = recorded.get("micro_batch_tokens")
     return {}, tokens if here.get("device") == "cuda" and isinstance(tokens, int) and tokens > 0 else None
@@ -739,7 +760,7 @@ def apply_recorded_sizes(args, recorded: dict, here: dict, checkpoint: Path | No
     if rank == 0 and sizes:
         print("[grpo] micro-batches as the run recorded them: " + ", ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in sorted(sizes.items())), flush=True)
-    elif rank == 0 and recorded and not SIZE_FLAGS & set(args.flags_given):  # recorded on another device
+    elif rank == 0 and recorded and not flags_with("size") & set(args.flags_given):  # recorded on another device
         print(f"[grpo] {checkpoint.name} cut its micro-batches on {device_words(recorded)}, this launch runs on "
               f"{device_words(here)}: " + (f"the token budget is measured anew at the first update, at most the "
                                            f"recorded {cap} tokens" if cap else "sizes of its own"), flush=True)
@@ -1147,8 +1168,8 @@ def gpu_memory() -> list[float]:
     return [peak, (total - free) / 2**30]
 
 
-SUM_KEYS = ["pg_loss", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates", "mismatch_abs",
-            "mismatch_kl", "mismatch_out", "correction", "micro_batches"]
+SUM_KEYS = ["pg_loss", "token_weight", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates",
+            "mismatch_abs", "mismatch_kl", "mismatch_out", "correction", "micro_batches"]
 
 
 def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: dict, args, world: int,
@@ -1170,6 +1191,7 @@ def step_metrics(rollouts: list[dict], sums: dict, reward_stats: dict, timer: di
     metrics = {
         "reward/mean": tot["reward"] / n, "reward/accuracy": tot["correct"] / n,
         "loss/pg": tot["pg_loss"] / world / updates,  # each rank's loss is the mean over its own groups
+        "loss/token_weight": tot["token_weight"] / world / updates,  # sum_i w_i L_i, loss/pg's scale
         "loss/clip_frac": tot["clipped"] / tokens, "loss/approx_kl": tot["approx_kl"] / tokens,
         "loss/grad_norm": tot["grad_norm"] / world / updates,
         "train/skipped_updates": tot["skipped_updates"],

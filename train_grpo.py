@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run directory, checkpoints, metrics)
     LAUNCH,
-    SIZE_FLAGS,
+    SAME_BEFORE,
     apply_recorded_sizes,
     balance_ranks,
     check_args,
@@ -70,10 +70,12 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     check_output_dir,
     checked_sizes,
     damaged_shard,
+    declare,
     device_fit,
     device_record,
     exit_without_teardown,
     first_line,
+    flags_with,
     free_port,
     gpu_memory,
     installed_versions,
@@ -138,12 +140,18 @@ POLICY_LOSS_DEFAULTS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def arguments() -> argparse.ArgumentParser:
+    """The trainer's flags, each with what it is to a run (run=, grpo_run.FLAG_ROLES): "resume" may change on
+    --resume, "launch" may differ between one run's launches, "device" defaults by the device, "size" is a
+    micro-batch size. A flag declared with nothing is the run's identity: no launch may change it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
+
+    def a(*names: str, run: str = "", before=SAME_BEFORE, **kw) -> None:
+        declare(p.add_argument(*names, **kw), run.split(), before)
+
     a("--model", default="demo", help="HF model id or local dir; 'demo', 'lab', 'lab-nogap(-hi)': offline policies")
     a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="prepared .jsonl/.parquet, HF name, or 'demo'")
-    a("--eval-dataset", default=None, help="held-out prompts scored every --eval-interval steps")
+    a("--eval-dataset", run="resume", default=None, help="held-out prompts scored every --eval-interval steps")
     a("--template", default="dapo", choices=["plain", "chat", "boxed", "dapo"])
     a("--agg", default="balanced", choices=AGGS, help="loss aggregation rule (README's table; balanced-batch: this "
       "project's variant)")
@@ -152,38 +160,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--group-size", type=int, default=16, help="G: responses sampled per prompt")
     a("--prompts-per-step", type=int, default=512, help="prompts per rollout batch, over all ranks")
     a("--minibatches", type=int, default=16, help="optimizer updates per rollout batch")
-    a("--micro-batch-size", type=int, default=None,
+    a("--micro-batch-size", run="resume device size", type=int, default=None,
       help="responses per forward/backward per rank at most (default 4; with a token budget: no cap but it)")
-    a("--micro-batch-tokens", type=int, default=None,
+    a("--micro-batch-tokens", run="launch size", type=int, default=None,
       help="tokens per forward/backward per rank: micro-batches of length-sorted responses filled up to it (default: "
            "on CUDA sized from the free memory at the first update by memory_model, recorded in the run; on the "
            "CPU 0 = off)")
-    a("--padded", action="store_true",
+    a("--padded", run="launch", action="store_true",
       help="right-padded micro-batches (rows x the longest count against the budget) instead of packed rows, "
            "for comparison (docs/gpu.md)")
-    a("--lr", type=float, default=1e-6)
-    a("--lr-warmup-steps", type=int, default=10, help="rollout steps of linear warm-up")
-    a("--weight-decay", type=float, default=0.1)
-    a("--clip-eps-low", type=float, default=None, help="ratio clip 1 - eps (default ppo 0.2, gspo 3e-4, cispo 1: none)")
-    a("--clip-eps-high", type=float, default=None, help="ratio clip 1 + eps (default ppo 0.28, gspo 4e-4, cispo 4)")
-    a("--sapo-tau-pos", type=float, default=None, help="SAPO's gate temperature where A > 0 (default 1.0)")
-    a("--sapo-tau-neg", type=float, default=None, help="SAPO's gate temperature where A < 0 (default 1.05)")
-    a("--kl-coef", type=float, default=0.0, help="k3 KL to a frozen reference; 0 = no reference model")
+    a("--lr", run="resume", type=float, default=1e-6)
+    a("--lr-warmup-steps", run="resume", type=int, default=10, help="rollout steps of linear warm-up")
+    a("--weight-decay", run="resume", type=float, default=0.1)
+    a("--clip-eps-low", run="resume", type=float, default=None,
+      help="ratio clip 1 - eps (default ppo 0.2, gspo 3e-4, cispo 1: none)")
+    a("--clip-eps-high", run="resume", type=float, default=None,
+      help="ratio clip 1 + eps (default ppo 0.28, gspo 4e-4, cispo 4)")
+    a("--sapo-tau-pos", run="resume", type=float, default=None,
+      help="SAPO's gate temperature where A > 0 (default 1.0)")
+    a("--sapo-tau-neg", run="resume", type=float, default=None,
+      help="SAPO's gate temperature where A < 0 (default 1.05)")
+    a("--kl-coef", run="resume", type=float, default=0.0, help="k3 KL to a frozen reference; 0 = no reference model")
     a("--no-std-norm", action="store_true", help="A = r - mean (Dr. GRPO): do not divide by the group std")
     a("--max-prompt-len", type=int, default=1024, help="longer prompts are dropped (counted)")
-    a("--max-response-len", type=int, default=3072)
-    a("--temperature", type=float, default=1.0)
-    a("--top-p", type=float, default=1.0)
-    a("--steps", type=int, default=500)
-    a("--eval-interval", type=int, default=25)
-    a("--eval-samples", type=int, default=8, help="k of the sampled Acc@k at evaluation")
-    a("--eval-limit", type=int, default=512, help="at most this many held-out prompts")
-    a("--save-interval", type=int, default=50, help="steps between checkpoints (full state + HF export)")
-    a("--keep-last", type=int, default=3, help="full training states kept, at least 1 (HF exports are all kept)")
-    a("--resume", action="store_true",
-      help="continue from the latest checkpoint in --output-dir, which must hold one; may change the arguments "
-           "in RESUME_MAY_CHANGE (lr, clip eps, temperature, ...)")
-    a("--max-bad-steps", type=int, default=5, help="consecutive non-finite steps before the run stops")
+    a("--max-response-len", run="resume", type=int, default=3072)
+    a("--temperature", run="resume", type=float, default=1.0)
+    a("--top-p", run="resume", type=float, default=1.0)
+    a("--steps", run="launch", type=int, default=500)
+    a("--eval-interval", run="launch", type=int, default=25)
+    a("--eval-samples", run="resume", type=int, default=8, help="k of the sampled Acc@k at evaluation")
+    a("--eval-limit", run="resume", type=int, default=512, help="at most this many held-out prompts")
+    a("--save-interval", run="launch", type=int, default=50, help="steps between checkpoints (full state + HF export)")
+    a("--keep-last", run="launch", type=int, default=3,
+      help="full training states kept, at least 1 (HF exports are all kept)")
+    a("--resume", run="launch", action="store_true",
+      help="continue from the latest checkpoint in --output-dir, which must hold one; may change the flags "
+           "declared run=\"resume\" (lr, clip eps, temperature, ...)")
+    a("--max-bad-steps", run="launch", type=int, default=5, help="consecutive non-finite steps before the run stops")
     a("--mask-truncated", action="store_true", help="no loss on responses cut at --max-response-len (DAPO)")
     a("--dynamic-sampling", action="store_true",
       help="DAPO: train only on groups whose scores differ, sampling further prompts in rounds to fill the step")
@@ -194,38 +207,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--overlong-penalty", type=float, default=1.0, help="its value at --max-response-len: -alpha")
     a("--rollout-correction", default="none", choices=["none", "token", "sequence"],
       help="correct vLLM-vs-trainer mismatch: truncated importance weights per token, or a per-response mask")
-    a("--rollout-correction-cap", type=float, default=2.0, help="C: token weights min(ratio, C); mask [1/C, C]")
-    a("--report-to", nargs="+", default=["tensorboard"], choices=["tensorboard", "wandb"],
+    a("--rollout-correction-cap", run="resume", type=float, default=2.0,
+      help="C: token weights min(ratio, C); mask [1/C, C]")
+    a("--report-to", run="launch", nargs="+", default=["tensorboard"], choices=["tensorboard", "wandb"],
       help="metrics.jsonl always; TensorBoard (tb/) and/or wandb (WANDB_PROJECT, default balanced-grpo)")
-    a("--peak-tflops", type=float, default=None, help="CUDA: the device's peak bf16 TFLOP/s for MFU (default: table)")
-    a("--output-dir", default=None, help="default runs/<model>-<agg>")
+    a("--peak-tflops", run="launch", type=float, default=None,
+      help="CUDA: the device's peak bf16 TFLOP/s for MFU (default: table)")
+    a("--output-dir", run="launch", default=None, help="default runs/<model>-<agg>")
     a("--seed", type=int, default=42)
     a("--ds-config", default=str(ROOT / "ds_config.json"))
-    a("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+    a("--gradient-checkpointing", run="resume device", action=argparse.BooleanOptionalAction, default=None,
       help="recompute activations in backward (default: on with CUDA, where 7B activations do not fit without it)")
-    a("--logprob-chunk", type=int, default=None,
+    a("--logprob-chunk", run="resume device", type=int, default=None,
       help="tokens per lm_head chunk in log-prob computation (default 1024 on CUDA, 256 on the CPU)")
-    a("--logprob-batch-size", type=int, default=None,
+    a("--logprob-batch-size", run="launch size", type=int, default=None,
       help="responses per forward-only pass (old and reference log-probs) per rank; default 4 x --micro-batch-size "
            "(with a token budget: no cap but it)")
-    a("--deterministic", action="store_true",
+    a("--deterministic", run="launch", action="store_true",
       help="bit-exact reruns of the update on CUDA: deterministic kernels, math attention (slower; docs/gpu.md)")
     a("--rollout-seed", default="request", choices=["request", "engine"],
       help="request: each prompt's samples seeded by (seed, step, prompt), whatever the sharding; engine: each "
            "engine's own stream, seeded by --seed + rank (docs/gpu.md)")
-    a("--vllm-gpu-memory", type=float, default=0.7, help="CUDA only: vLLM's share of GPU memory (docs/gpu.md)")
-    a("--vllm-max-num-seqs", type=int, default=256, help="CUDA only: sequences vLLM decodes at once per engine")
-    a("--reward-workers", type=int, default=4)
-    a("--code-reward", default="all-pass", choices=["all-pass", "fraction"],
+    a("--vllm-gpu-memory", run="launch", type=float, default=0.7,
+      help="CUDA only: vLLM's share of GPU memory (docs/gpu.md)")
+    a("--vllm-max-num-seqs", run="launch", type=int, default=256,
+      help="CUDA only: sequences vLLM decodes at once per engine")
+    a("--reward-workers", run="launch", type=int, default=4)
+    a("--code-reward", before="fraction", default="all-pass", choices=["all-pass", "fraction"],
       help="code: 1 only when every test passes (default, as accuracy counts), or the fraction of stdio cases "
            "(docs/rewards.md)")
-    a("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    a("--local_rank", run="launch", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = arguments()
     pre, _ = p.parse_known_args(argv)
     if pre.model in OFFLINE_DEFAULTS:
         p.set_defaults(**OFFLINE_DEFAULTS[pre.model])
     args = p.parse_args(argv)
     # the flags the command gives, as opposed to defaults: a run whose record predates a flag keeps the value
-    # it was trained with unless it is given (BEFORE_FLAG), and a flag that needs another is refused alone
+    # it was trained with unless it is given (before=), and a flag that needs another is refused alone
     unset = object()
     given = p.parse_args(argv, argparse.Namespace(**{action.dest: unset for action in p._actions}))
     args.flags_given = sorted(k for k, v in vars(given).items() if v is not unset)
@@ -838,6 +860,7 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
         st.update(mismatch_abs=gap.abs(), mismatch_kl=torch.expm1(gap) - gap, mismatch_out=gap.abs() > log_cap,
                   correction=c)  # mismatch_kl: k3 estimate of KL(pi_vllm || pi_old)
         sums["pg_loss"] += loss.item()
+        sums["token_weight"] += w.sum().item()  # sum_i w_i L_i: the loss's scale (1 for a mean of token terms)
         sums["tokens"] += logp.numel()
         for k, v in st.items():
             sums[k] += v.float().sum().item()
@@ -1454,7 +1477,7 @@ def main(argv: list[str] | None = None) -> None:
         stop = bad_streak >= args.max_bad_steps
         if step % args.save_interval == 0 or step == args.steps or stop:
             state = {"step": step, "order": order, "bad_streak": bad_streak, "run": run_identity(vars(args)),
-                     "sizes": {**here, **{k: getattr(args, k) for k in SIZE_FLAGS}}}
+                     "sizes": {**here, **{k: getattr(args, k) for k in flags_with("size")}}}
             save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
             if rank == 0:  # the arguments that trained these checkpoints
                 (out_dir / "args.json.tmp").write_text(json.dumps(vars(args), indent=1))

@@ -29,13 +29,13 @@ one-sided tests at 0.05) against the declared margin MARGIN, so that "no differe
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 import torch
 
+from grpo_run import read_args_json, run_metrics
 from scripts.ablation import rule_args
 from train_grpo import AGGS
 
@@ -187,7 +187,8 @@ def gain(model, tok, task: str, pairs: list, update: dict[str, torch.Tensor], ba
     return {k: 1000 * (after[k] - base[k]) for k in base}
 
 
-def predict(task: str, steps: int, seed: int = 0, steady: bool = False, extra: tuple[str, ...] = ()) -> None:
+def predict(task: str, steps: int, seed: int = 0, steady: bool = False, extra: tuple[str, ...] = (),
+            rules: list[str] = RULES) -> None:
     """Print each rule's expected gain in J from one update at the initial policy, for the runs the ablation
     trains on `task` with the trainer arguments `extra`: Adam's first step, and with `steady` also the
     update of moments averaged over the sampled steps."""
@@ -204,7 +205,7 @@ def predict(task: str, steps: int, seed: int = 0, steady: bool = False, extra: t
     train_pairs, test_pairs = split_pairs()
     base = success_probability(model, tok, task, test_pairs)
     gen = torch.Generator().manual_seed(seed)
-    args = {agg: rule_args(task, agg, list(extra)) for agg in RULES}  # each rule's run, as the ablation trains it
+    args = {agg: rule_args(task, agg, list(extra)) for agg in rules}  # each rule's run, as the ablation trains it
     sampling = args[REFERENCE]  # how every rule's run samples (the rules differ in the update only)
     rollouts = []
     for _ in range(steps):
@@ -220,7 +221,7 @@ def predict(task: str, steps: int, seed: int = 0, steady: bool = False, extra: t
     print("| rule | first-step gain in J x1000 (mean ± s.e. over steps) | check first x1000 | answer after one "
           "check x1000 | relative to balanced |\n|---|---|---|---|---|")
     rows, grads = {}, {}
-    for agg in RULES:
+    for agg in rules:
         grads[agg] = [step_gradient(model, seqs, rewards, args[agg]) for seqs, rewards in rollouts
                       if rewards.min() != rewards.max()]
         rows[agg] = [gain(model, tok, task, test_pairs, first_step(g, args[agg]), base) for g in grads[agg]]
@@ -231,7 +232,7 @@ def predict(task: str, steps: int, seed: int = 0, steady: bool = False, extra: t
         print(f"| {agg} | {m['J']:+.2f} ± {se:.2f} | {m['check_first']:+.2f} | {m['answer_after_check']:+.2f} | "
               f"{m['J'] / ref:.2f} |")
     if steady:  # lab-check: added after its runs (docs/lab.md says why); the factorial: declared before them
-        after = {agg: gain(model, tok, task, test_pairs, steady_step(grads[agg], args[agg]), base) for agg in RULES}
+        after = {agg: gain(model, tok, task, test_pairs, steady_step(grads[agg], args[agg]), base) for agg in rules}
         print(f"\nSteady: one update of Adam with moments averaged over the {len(grads[REFERENCE])} steps' "
               "gradients, lr E[g] / sqrt(E[g^2]) (x1000)\n")
         print("| rule | gain in J | check first | answer after one check | relative to balanced |\n"
@@ -306,30 +307,25 @@ def paired(d: list[float], margin: float) -> dict[str, float]:
             "p_tost": p_tost}
 
 
-def run_table(runs_dir: Path, model: str | None = None) -> dict[str, dict[int, Path]]:
+def run_table(runs_dir: Path, model: str | None = None, rules: list[str] = RULES) -> dict[str, dict[int, Path]]:
     """The directory's runs (of `model`, if given) as {rule: {seed: run}}; one line if it holds none of the
     comparison's."""
-    from grpo_run import read_args_json
-
     out: dict[str, dict[int, Path]] = {}
     if not runs_dir.is_dir():
         raise ValueError(f"{runs_dir}: no such directory (give an ablation.py --out directory)")
     for run in sorted(runs_dir.iterdir()):
         if (a := read_args_json(run)) is None:  # not a run (a log, a .commit file)
             continue
-        if a.get("policy_loss", "ppo") == "ppo" and a.get("agg") in RULES and model in (None, a.get("model")):
+        if a.get("policy_loss", "ppo") == "ppo" and a.get("agg") in rules and model in (None, a.get("model")):
             out.setdefault(a["agg"], {})[a["seed"]] = run
     if not out:
-        raise ValueError(f"{runs_dir}: no runs of {', '.join(RULES)}{f' on {model}' if model else ''} in it "
+        raise ValueError(f"{runs_dir}: no runs of {', '.join(rules)}{f' on {model}' if model else ''} in it "
                          f"(ablation.py --aggs ... --out {runs_dir})")
     return out
 
 
 def training_curve(run: Path) -> dict[int, dict]:
-    from grpo_run import logged_lines
-
-    rows = {step: json.loads(line) for step, line in logged_lines(run / "metrics.jsonl")}
-    return {s: m for s, m in rows.items() if "reward/accuracy" in m}
+    return {s: m for s, m in run_metrics(run).items() if "reward/accuracy" in m}
 
 
 def paired_curves(runs_dir: Path, table: dict[str, dict[int, Path]], rules: list[str]
@@ -341,7 +337,7 @@ def paired_curves(runs_dir: Path, table: dict[str, dict[int, Path]], rules: list
         raise ValueError(f"{runs_dir}: fewer than 2 seeds shared by every rule ({', '.join(rules)}); "
                          "a paired test needs at least 2")
     curves = {(a, s): training_curve(table[a][s]) for a in rules for s in seeds}
-    planned = {json.loads((table[a][s] / "args.json").read_text()).get("steps") for a in rules for s in seeds}
+    planned = {read_args_json(table[a][s]).get("steps") for a in rules for s in seeds}
     if len(planned) != 1:
         raise ValueError(f"{runs_dir}: the runs differ in --steps ({sorted(map(str, planned))}); "
                          "compare runs of one length")
@@ -360,11 +356,11 @@ def paired_curves(runs_dir: Path, table: dict[str, dict[int, Path]], rules: list
     return seeds, curves, T
 
 
-def compare(runs_dir: Path) -> str:
+def compare(runs_dir: Path, rules: list[str] = RULES) -> str:
     """The paired comparison as markdown: per seed and rule the declared measure (AUC, the mean training
     accuracy over steps 1..T), the late accuracy (steps T-4..T), and the tests against REFERENCE."""
-    table = run_table(runs_dir)
-    rules = [r for r in RULES if r in table]
+    table = run_table(runs_dir, rules=rules)
+    rules = [r for r in rules if r in table]
     seeds, curves, T = paired_curves(runs_dir, table, rules)
     if T < LATE_STEPS:  # the late accuracy reads steps T-4..T and the coupling steps 1-5 (once a KeyError)
         raise ValueError(f"{table[rules[0]][seeds[0]]}: {T} training steps (its --steps); the comparison needs at "
@@ -402,7 +398,7 @@ def compare(runs_dir: Path) -> str:
             d = [auc[(a, s)] - auc[(REFERENCE, s)] for s in seeds]
             lines.append(f"| {a} | {' '.join(f'{x:+.1f}' for x in d)} | {sum(d) / len(d):+.2f} | {t:+.2f} | "
                          f"{p:.3f} | {ph:.3f} |")
-    model = json.loads((table[rules[0]][seeds[0]] / "args.json").read_text()).get("model", "")
+    model = read_args_json(table[rules[0]][seeds[0]]).get("model", "")
     if str(model).startswith("lab-check"):
         lines += ["", mechanism(table, rules, seeds, model)]
     # The evaluation's own noise: a step's accuracy is a mean of 0/1 rewards over its responses (binomial).
@@ -573,6 +569,9 @@ def main() -> None:
     p.add_argument("--figure", metavar="PNG", help="with --factorial: training accuracy per gap and rule, and "
                    "token - balanced, over the steps (seed bands)")
     p.add_argument("--steps", type=int, default=12, help="with --predict: rollout steps sampled")
+    p.add_argument("--rules", nargs="+", choices=RULES, default=RULES, help="with --predict or a runs directory: "
+                   f"these rules, in this order (default: every rule of the trainer's but seq-sum, {REFERENCE} "
+                   "among them; scripts/reproduce.py pins a published experiment's)")
     p.add_argument("--steady", action="store_true", help="with --predict: also the steady-state Adam update "
                    "(lab-check: added after its runs; the factorial: declared before them)")
     argv = sys.argv[1:]
@@ -580,13 +579,15 @@ def main() -> None:
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if sum(x is not None for x in (args.runs, args.predict, args.factorial)) != 1:
         p.error("give one of: a runs directory, --predict TASK, --factorial DIR")
+    if REFERENCE not in args.rules:  # every rule is measured against it
+        p.error(f"--rules must include {REFERENCE}, the rule every other is measured against")
     try:
         if args.predict:
-            predict(args.predict, args.steps, steady=args.steady, extra=tuple(train_extra))
+            predict(args.predict, args.steps, steady=args.steady, extra=tuple(train_extra), rules=args.rules)
         elif args.factorial:
             print(factorial(Path(args.factorial), figure=Path(args.figure) if args.figure else None))
         else:
-            print(compare(Path(args.runs)))
+            print(compare(Path(args.runs), args.rules))
     except ValueError as e:
         sys.exit(f"compare_rules.py: error: {e}")
 

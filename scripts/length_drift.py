@@ -161,10 +161,31 @@ def setting_runs(ablation: Path) -> dict[tuple[str, str], list[Path]]:
 
 
 def scale_free(metrics: dict, args: argparse.Namespace) -> float:
-    """A step's loss/pg over its total token weight sum_i w_i L_i (loss_scale): L-bar for seq-sum,
-    L-bar / L_max for dr-grpo, 1 for the others."""
-    return metrics["loss/pg"] / {"seq-sum": metrics["length/mean"],
-                                 "dr-grpo": metrics["length/mean"] / args.max_response_len}.get(args.agg, 1.0)
+    """A step's loss/pg over its total token weight sum_i w_i L_i, as the trainer logs it (loss/token_weight:
+    L-bar for seq-sum, L-bar / L_max for dr-grpo, 1 for the rules that take a mean of token terms). A step logged
+    before that metric: the trainer's weights give it where they make it a function of the mean length alone;
+    else one line."""
+    if "loss/token_weight" in metrics:
+        return metrics["loss/pg"] / metrics["loss/token_weight"]
+    return metrics["loss/pg"] / mean_length_scale(metrics["length/mean"], args)
+
+
+def mean_length_scale(mean_length: float, args: argparse.Namespace) -> float:
+    """sum_i w_i L_i of the run's rule (the trainer's aggregation_weights, one group) on responses of
+    `mean_length` tokens, checked on lengths spread around that mean: a rule whose sum depends on more than the
+    mean is refused in one line."""
+    from train_grpo import aggregation_weights
+
+    G = args.group_size
+    adv = torch.tensor([(-1.0) ** i for i in range(G)], dtype=torch.float64)  # both signs, as a mixed group
+    scale = []
+    for spread in (0.0, 0.5):  # every length the mean; then from 0.5x to 1.5x it, the same mean
+        L = float(mean_length) * (1 + spread * torch.linspace(-1, 1, G, dtype=torch.float64))
+        scale.append(float((aggregation_weights(adv, L, G, args.agg, max_len=args.max_response_len) * L).sum()))
+    if abs(scale[0] - scale[1]) > 1e-6 * abs(scale[0]):
+        raise ValueError(f"--agg {args.agg}: its loss's scale sum_i w_i L_i depends on more than the mean length, "
+                         "and this run's metrics.jsonl predates loss/token_weight: retrain it to log the scale")
+    return scale[0]
 
 
 def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path | None, per_seed: bool = False) -> None:
@@ -324,6 +345,8 @@ def main() -> None:
     p.add_argument("--model", help="with --simulate: the policy whose cached samples give the lengths")
     p.add_argument("--simulate", action="store_true", help="E[push] at accuracies 0.1..0.9 over the lengths")
     p.add_argument("--predict", action="store_true", help="every rule's coupling and push on the policy's samples")
+    p.add_argument("--rules", nargs="+", choices=RULES, default=RULES, help="with --model: these rules, in this "
+                   "order (default: every rule of the trainer's; scripts/reproduce.py pins a published experiment's)")
     p.add_argument("--summary", nargs="+", help="ablation directories: docs/workbench.md's side-by-side table")
     p.add_argument("--figure", help="with --summary: write its figure here (.png)")
     p.add_argument("--per-seed", action="store_true", help="with --summary: every run's values too")
@@ -359,7 +382,9 @@ def ablation_runs(ablation: str) -> dict[str, list[Path]]:
     if not Path(ablation).is_dir():
         raise ValueError(f"{ablation}: no such directory (give an ablation.py --out directory)")
     by_agg = defaultdict(list)
-    for run in sorted(p for p in Path(ablation).iterdir() if (p / "args.json").exists()):
+    from grpo_run import read_args_json
+
+    for run in sorted(p for p in Path(ablation).iterdir() if read_args_json(p) is not None):
         agg = run_args(run, required=("agg",)).agg
         if agg not in RULES:
             raise ValueError(f"{run / 'args.json'}: no 'agg' of train_grpo.py's rules (not the trainer's args.json)")
@@ -374,10 +399,10 @@ TABLE_STEPS = 40  # the tables read steps 1-5 and 36-40: the lab's --steps
 
 def check_steps(runs: list[Path]) -> None:
     """Every run has logged the training steps the tables read; else one line naming the first that has not."""
-    from grpo_run import logged_lines
+    from grpo_run import run_metrics
 
     for run in runs:
-        logged = {step for step, line in logged_lines(run / "metrics.jsonl") if "length/mean" in json.loads(line)}
+        logged = {step for step, m in run_metrics(run).items() if "length/mean" in m}
         missing = [s for s in range(1, TABLE_STEPS + 1) if s not in logged]
         if missing:
             raise ValueError(f"{run}: metrics.jsonl has no step {missing[0]} ({len(logged)} training steps logged); "
@@ -399,7 +424,7 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
               f"({len(lengths)} samples, groups of {n}, each rule's arguments as the ablation trains it)\n")
         print("| rule | sum w L | coupling: pg loss at step 1 | scale-free | push x1000, as sampled | "
               "push x1000, lengths shuffled |\n|---|---|---|---|---|---|")
-        for agg in RULES:  # scale-free: over sum w L, a step's total token weight (1 for the mean rules)
+        for agg in args.rules:  # scale-free: over sum w L, a step's total token weight (1 for the mean rules)
             a = in_groups_of(rule_args(args.model, agg), n)
             (loss, share), total = coupling(rewards, lengths, a), loss_scale(rewards, lengths, a)
             print(f"| {agg} | {total:.3g} | {loss:+.4f} | {share:+.4f} | "
@@ -412,9 +437,9 @@ def report(args: argparse.Namespace, ev: argparse.Namespace) -> None:
         rewards, lengths, n = checkpoint_samples(model_dir(args.model), ev)
         print(f"{args.model}: accuracy {rewards.mean():.3f}, mean length {lengths.double().mean():.1f}, "
               f"length CV {lengths.double().std() / lengths.double().mean():.2f} ({len(lengths)} samples)")
-        print("| accuracy | " + " | ".join(RULES) + " |\n|---|" + "---|" * len(RULES))
+        print("| accuracy | " + " | ".join(args.rules) + " |\n|---|" + "---|" * len(args.rules))
         for acc in (0.1, 0.22, 0.3, 0.5, 0.7, 0.78, 0.9):
-            pushes = [simulated_push(lengths, acc, in_groups_of(rule_args(args.model, a), n)) for a in RULES]
+            pushes = [simulated_push(lengths, acc, in_groups_of(rule_args(args.model, a), n)) for a in args.rules]
             print(f"| {acc:.2f} | " + " | ".join(f"{p:+.4f}" for p in pushes) + " |")
         return
 

@@ -32,7 +32,11 @@ SEEDS5 = ["1", "2", "3", "4", "5"]
 FACTORIAL_SEEDS = [str(s) for s in range(11, 23)]  # 12 seeds no earlier experiment ran
 FACTORIAL_FLAGS = ["--steps", "30", "--save-interval", "10", "--max-response-len", "96"]  # every cell alike
 COMPARE_RULES, LENGTH_DRIFT = "scripts.compare_rules", "scripts.length_drift"  # the tables' modules
-COMPARE = compare_rules.RULES
+# The rules each published experiment ran, in its tables' order, pinned: a rule added to the trainer (which
+# ablation.py's --aggs all and the tables' default --rules take in) changes no published experiment.
+LAB_RULES = ["seq", "token", "balanced", "balanced-batch", "token-batch", "dr-grpo", "seq-sum"]
+COMPARE = ["seq", "token", "token-batch", "balanced", "balanced-batch", "dr-grpo"]  # the lab-check pair's order
+PREDICT = [r for r in LAB_RULES if r != "seq-sum"]  # the factorial's prediction
 
 # name: (what it is, [ablation.py arguments, ...], [table command, ...]). A table command is a
 # module of this folder run from the project root; its standard output is the section's table.
@@ -41,18 +45,20 @@ EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         "A task where the coupling can cost accuracy: the prediction, then 6 rules x 5 paired seeds",
         [["--model", "lab-check", "--aggs", *COMPARE, "--seeds", *SEEDS5, "--no-eval",
           *"--out runs/compare-lab-check -- --steps 30 --save-interval 10".split()]],
-        [[COMPARE_RULES, "--predict", "lab-check"], [COMPARE_RULES, "runs/compare-lab-check"]],
+        [[COMPARE_RULES, "--predict", "lab-check", "--rules", *COMPARE],
+         [COMPARE_RULES, "runs/compare-lab-check", "--rules", *COMPARE]],
     ),
     "lab-check-nogap": (
         "Its control, failures as long as successes: the prediction, then 6 rules x 5 paired seeds",
         [["--model", "lab-check-nogap", "--aggs", *COMPARE, "--seeds", *SEEDS5, "--no-eval",
           "--out", "runs/compare-lab-check-nogap", "--", "--steps", "30", "--save-interval", "10"]],
-        [[COMPARE_RULES, "--predict", "lab-check-nogap"], [COMPARE_RULES, "runs/compare-lab-check-nogap"]],
+        [[COMPARE_RULES, "--predict", "lab-check-nogap", "--rules", *COMPARE],
+         [COMPARE_RULES, "runs/compare-lab-check-nogap", "--rules", *COMPARE]],
     ),
     "factorial-prediction": (
         "The factorial's prediction, before its runs: each gap's first-step and steady gains",
         [],
-        [[COMPARE_RULES, "--predict", task, "--steady", "--", *FACTORIAL_FLAGS[-2:]]
+        [[COMPARE_RULES, "--predict", task, "--steady", "--rules", *PREDICT, "--", *FACTORIAL_FLAGS[-2:]]
          for task in compare_rules.GAPS.values()],
     ),
     "factorial": (
@@ -63,13 +69,13 @@ EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
     ),
     "lab": (
         "The aggregation lab: every rule x 3 seeds, 40 steps, Acc@8 of every checkpoint (Table 1's layout)",
-        [["--model", "lab", "--aggs", "all"]],
+        [["--model", "lab", "--aggs", *LAB_RULES]],
         [[LENGTH_DRIFT, "--summary", "runs/ablation-lab", "--per-seed"], ["evaluate_table", "runs/ablation-lab"]],
     ),
     "length-study": (
         "Is balanced aggregation length-neutral? The two controls, every rule x 3 seeds",
-        [["--model", "lab-nogap", "--aggs", "all"], ["--model", "lab-nogap-hi", "--aggs", "all"]],
-        [[LENGTH_DRIFT, "--model", m, "--predict"] for m in ("lab", "lab-nogap", "lab-nogap-hi")]
+        [["--model", "lab-nogap", "--aggs", *LAB_RULES], ["--model", "lab-nogap-hi", "--aggs", *LAB_RULES]],
+        [[LENGTH_DRIFT, "--model", m, "--predict", "--rules", *LAB_RULES] for m in ("lab", "lab-nogap", "lab-nogap-hi")]
         + [[LENGTH_DRIFT, f"runs/ablation-{m}"] for m in ("lab-nogap", "lab-nogap-hi")]
         + [[LENGTH_DRIFT, "--summary", *(f"runs/ablation-{m}" for m in ("lab", "lab-nogap", "lab-nogap-hi")),
             "--figure", "docs/workbench.png", "--per-seed"]],
@@ -157,6 +163,11 @@ def table_output(cmd: list[str]) -> str:
     return "\n".join(x for x in res.stdout.splitlines() if not x.startswith(("Loading weights", "figure:"))).strip()
 
 
+def shown(cmd: list[str]) -> str:
+    """A table command as its section of docs/results.md and --list show it."""
+    return f"python -m {' '.join(cmd)}" if cmd[0] != "evaluate_table" else f"{cmd[1]}/eval_table.md (evaluate.py)"
+
+
 def short(commit: str) -> str:
     return commit[:10] + ("+dirty" if commit.endswith("+dirty") else "")
 
@@ -175,8 +186,7 @@ def section(name: str) -> str:
            *(["```bash", *(f"python -m scripts.ablation {' '.join(a)}" for a in ablations), "```", ""]
              if ablations else [])]
     for cmd in tables:
-        label = f"python -m {' '.join(cmd)}" if cmd[0] != "evaluate_table" else f"{cmd[1]}/eval_table.md (evaluate.py)"
-        out += [f"`{label}`", "", table_output(cmd), ""]
+        out += [f"`{shown(cmd)}`", "", table_output(cmd), ""]
     return "\n".join(out) + f"<!-- end {name} -->\n"
 
 
@@ -211,8 +221,7 @@ def main() -> None:
             for a in ablations:
                 print(f"  python -m scripts.ablation {' '.join(a)}")
             for t in tables:
-                print(f"  python -m {' '.join(t)}" if t[0] != "evaluate_table" else
-                      f"  {t[1]}/eval_table.md (evaluate.py)")
+                print(f"  {shown(t)}")
         return
     t0 = time.time()
     if args.tables_only:

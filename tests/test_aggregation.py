@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from train_grpo import aggregation_weights, group_advantages, policy_loss_per_token, sign_lengths
+from train_grpo import AGGS, aggregation_weights, group_advantages, policy_loss_per_token, sign_lengths
 
 F = lambda *x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
 
@@ -36,6 +36,32 @@ def test_weights_sum_to_one_per_group_average(agg):
     w = aggregation_weights(adv, L, 5, agg)
     # each rule is a weighted mean of token terms: the weights of all tokens sum to 1
     assert (w * L).sum().item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("agg", AGGS)  # every rule the trainer defines: a rule a fork adds is held here too
+def test_every_rule_weighs_responses_alike_however_the_ranks_split_them(agg):
+    """What loss_weights and the ranks assume of any rule: one finite w_i >= 0 per response, none for a masked
+    one (L = 0); the same response weighed the same wherever its group sits in the mini-batch and wherever it
+    sits in its group; and a rank's share, weighed with the mini-batch's statistics summed over ranks
+    (sign_lengths) and averaged over the ranks (DeepSpeed), weighed as in the whole mini-batch."""
+    g = torch.Generator().manual_seed(1)
+    G, groups = 4, 6
+    sign = torch.randint(-1, 2, (groups * G,), generator=g).double()  # each of A > 0, A < 0, A = 0
+    adv = sign * torch.rand(groups * G, generator=g, dtype=torch.float64)
+    L = torch.randint(1, 40, (groups * G,), generator=g)
+    L[5] = 0  # masked by --mask-truncated
+    batch = sign_lengths(adv, L)
+    w = aggregation_weights(adv, L, G, agg, batch, max_len=40)
+    assert w.shape == L.shape and torch.isfinite(w).all() and (w >= 0).all() and w[5] == 0
+    assert (w[L > 0] > 0).any()
+    for ranks in (2, 3):
+        share = groups // ranks * G
+        parts = [aggregation_weights(adv[k : k + share], L[k : k + share], G, agg, batch, max_len=40) / ranks
+                 for k in range(0, len(L), share)]
+        torch.testing.assert_close(torch.cat(parts), w, rtol=1e-12, atol=0)
+    order = torch.cat([torch.randperm(G, generator=g) + G * k for k in torch.randperm(groups, generator=g)])
+    torch.testing.assert_close(aggregation_weights(adv[order], L[order], G, agg, batch, max_len=40), w[order],
+                               rtol=1e-12, atol=0)
 
 
 def test_the_peer_rules_by_hand_with_a_mask_and_a_rank_split():

@@ -156,7 +156,7 @@ def test_a_flag_that_needs_another_is_taken_with_it():
                  ["--overlong-buffer=12", "--overlong-pen=1.0"]):  # an abbreviation is a flag given too
         args = train_grpo.parse_args(argv)
         check_args(args, world=1)
-    assert "overlong_penalty" in args.flags_given and "flags_given" in grpo_run.RUN_ARGS_IGNORED
+    assert "overlong_penalty" in args.flags_given and "flags_given" in grpo_run.not_identity()
     with pytest.raises(ValueError, match="--overlong-penalty has no effect without --overlong-buffer"):
         check_args(train_grpo.parse_args(["--overlong-penalty=1.0"]), world=1)  # the default, typed
 
@@ -404,6 +404,44 @@ def checkpointed_run(root, steps: int = 3, world: int = 1):
     return args
 
 
+def test_a_flag_a_fork_adds_without_declaring_it_is_part_of_the_runs_identity(tmp_path, monkeypatch):
+    """A flag added as a fork adds it, a(...) with no run=, is part of the run's identity: a resume that changes it
+    is refused in one line. Declared run="resume", the same resume continues the run."""
+    build = train_grpo.arguments
+
+    def forked(run: str = "") -> None:
+        def arguments():
+            p = build()
+            grpo_run.declare(p.add_argument("--fork-knob", type=float, default=0.5), run.split())  # a(...)'s call
+            return p
+
+        monkeypatch.setattr(grpo_run, "_DECLARED", {})
+        monkeypatch.setattr(train_grpo, "arguments", arguments)
+
+    forked()
+    checkpointed_run(tmp_path / "run")  # trained with --fork-knob 0.5
+    argv = ["--output-dir", str(tmp_path / "run"), "--steps", "3", "--resume", "--fork-knob", "0.7"]
+    with pytest.raises(ValueError, match=re.escape("holds a run with other arguments (--fork-knob 0.5 -> 0.7), "
+                                                   "which no resume changes: use another --output-dir")):
+        check_output_dir(train_grpo.parse_args(argv), tmp_path / "run", 1)
+    forked("resume")
+    assert check_output_dir(train_grpo.parse_args(argv), tmp_path / "run", 1)[0].name == "step_000003"
+
+
+def test_every_flag_says_what_it_is_to_a_run():
+    # every flag is declared through a(...) (a flag added around it would still be the run's identity), and the
+    # roles agree: a device default may change on --resume (a run moves between devices), and a micro-batch
+    # size is never the run's identity (the gradient is the same for any: tests/test_invariance.py)
+    parser = train_grpo.arguments()
+    dests = {action.dest for action in parser._actions} - {"help"}
+    assert dests == set(grpo_run.declared())
+    assert grpo_run.flags_with("device") <= grpo_run.flags_with("resume")
+    assert grpo_run.flags_with("size") <= grpo_run.flags_with("resume") | grpo_run.flags_with("launch")
+    assert grpo_run.before_flag() == {"code_reward": "fraction"}
+    with pytest.raises(ValueError, match="--x: run=.'resum'. is not one of resume, launch, device, size"):
+        grpo_run.declare(argparse.ArgumentParser().add_argument("--x"), ["resum"])
+
+
 def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
     args = checkpointed_run(tmp_path / "run")
     ckpts = tmp_path / "run" / "checkpoints"
@@ -633,6 +671,32 @@ def test_damaged_records_are_named_before_any_engine(tmp_path, capsys):
     log.write_bytes(b'{"step": 1}\n{"step": 2, "x": "\xff"}\n{"step": 3}\n')
     with pytest.raises(ValueError, match=re.escape(f"{log} line 2: 'utf-8' codec can't decode")):
         check_output_dir(args, run, 1)
+
+
+def test_a_run_killed_mid_write_is_read_alike_by_every_tool(tmp_path):
+    """metrics.jsonl cut by a kill inside its last line, with a step logged in two lines (rollout, then its
+    evaluation), and args.json: the trainer, evaluate.py's plots and compare_rules read one record."""
+    import evaluate
+    from scripts import compare_rules
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lengths = {"length/cv": 0.5, "length/pos_neg_gap": 2.0, "length/mean": 9.0}
+    rows = [{"step": 1, "reward/accuracy": 10.0, "loss/pg": 0.5, **lengths}, {"step": 1, "eval/acc": 3.0},
+            {"step": 2, "reward/accuracy": 20.0, "loss/pg": -0.5, **lengths}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "reward/acc')
+    assert grpo_run.run_metrics(run) == {1: {**rows[0], **rows[1]}, 2: rows[2]}
+    assert evaluate.training_curves(str(run), ["loss/pg", "eval/acc"]) == {"loss/pg": {0: 0.5, 1: -0.5},
+                                                                          "eval/acc": {0: 3.0}}
+    assert compare_rules.training_curve(run) == {1: {**rows[0], **rows[1]}, 2: rows[2]}
+    results = {s: {"demo-test": {"acc@4": a}, "average": {"acc@4": a}} for s, a in ((0, 0.1), (2, 0.3))}
+    paths = evaluate.plot_runs({str(run): results}, {"run": [str(run)]}, ["demo-test"], 4, tmp_path)
+    assert [p.name for p in paths] == ["figure1_accuracy.png", "figure2_pg_loss.png", "figure3_length.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    (run / "args.json").write_text('{"agg": "tok')  # args.json cut likewise (before its atomic write)
+    for read in (lambda: evaluate.run_label(str(run)), lambda: compare_rules.run_table(tmp_path)):
+        with pytest.raises(ValueError, match=re.escape(f"{run / 'args.json'} cannot be read as JSON")):
+            read()
 
 
 def test_a_relaunch_never_logs_a_step_twice(tmp_path):
@@ -984,7 +1048,8 @@ def test_a_resume_reuses_the_recorded_sizes_only_on_the_device_they_were_cut_for
     # the CPU and CUDA: nothing reused either way, and no budget to cap with (0 on the CPU: none)
     assert grpo_run.resumed_sizes(record, {"device": "cpu"}, []) == ({}, None)
     assert grpo_run.resumed_sizes(SIZES, H100, []) == ({}, None)
-    assert grpo_run.resumed_sizes(SIZES, {"device": "cpu"}, []) == ({k: SIZES[k] for k in grpo_run.SIZE_FLAGS}, None)
+    sizes = {k: SIZES[k] for k in grpo_run.flags_with("size")}
+    assert grpo_run.resumed_sizes(SIZES, {"device": "cpu"}, []) == (sizes, None)
     # a size flag given: none reused; on CUDA the recorded budget still caps a measured one
     assert grpo_run.resumed_sizes(record, H100, ["micro_batch_size"]) == ({}, 60_000)
     assert grpo_run.resumed_sizes(SIZES, {"device": "cpu"}, ["logprob_batch_size"]) == ({}, None)
@@ -1157,7 +1222,7 @@ def test_reproduce_tables_only_names_the_runs_it_lacks_before_any_table(tmp_path
     assert str(e.value.code) == (
         "reproduce.py: error: --tables-only: lab-check's tables read 30 runs or files not there "
         "(runs/compare-lab-check/lab-check-seq-s1, runs/compare-lab-check/lab-check-token-s1, "
-        f"runs/compare-lab-check/lab-check-balanced-s1, ...); train them with `python -m scripts.ablation "
+        f"runs/compare-lab-check/lab-check-token-batch-s1, ...); train them with `python -m scripts.ablation "
         f"{' '.join(trains)}`")
 
     def trained(argv: list[str], steps: int) -> None:  # each run's last checkpoint its final step

@@ -220,3 +220,17 @@ def test_every_measurement_names_its_commit_its_machine_and_whether_its_output_w
         lost = re.search(r"Published at commit [0-9a-f]{7,10} from [^;]+; the printed output was not kept", body)
         assert kept or lost, f"measurements.md {name}: say the commit, the machine and whether the output was kept"
         assert not kept or "```text" in body, f"measurements.md {name}: the output as printed, in a ```text block"
+
+
+def test_every_section_shows_the_commands_reproduce_runs():
+    """results.md's commands are reproduce.py's, which pins the rules each experiment ran: regenerating a
+    section runs what it shows (a rule added to the trainer changes neither)."""
+    from scripts import reproduce
+
+    text = (ROOT / "docs" / "results.md").read_text()
+    for name, (_, ablations, tables) in reproduce.EXPERIMENTS.items():
+        body = text.split(f"<!-- section {name} -->")[1].split(f"<!-- end {name} -->")[0]
+        shown = [x for x in body.splitlines() if x.startswith("python -m scripts.ablation ")]
+        assert shown == [f"python -m scripts.ablation {' '.join(a)}" for a in ablations], name
+        labels = [x[1:-1] for x in body.splitlines() if x.startswith("`") and x.endswith("`") and x.count("`") == 2]
+        assert labels == [reproduce.shown(cmd) for cmd in tables], name

@@ -14,7 +14,8 @@ FLAGS = ["--steps", str(STEPS), "--prompts-per-step", "8", "--group-size", "4", 
 EXPECTED = ["reward/mean", "reward/accuracy", "loss/pg", "loss/clip_frac", "loss/approx_kl", "loss/grad_norm", "lr",
             "length/mean", "length/max", "length/cv", "length/pos_neg_gap", "groups/zero_var_share",
             "length/truncation_rate", "time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync",
-            "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/update_tflops", "train/micro_batches"]
+            "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/update_tflops", "train/micro_batches",
+            "loss/token_weight"]
 MISMATCH = ["rollout/mismatch_abs", "rollout/mismatch_kl", "rollout/mismatch_out_share", "rollout/correction_mean"]
 
 
@@ -68,6 +69,10 @@ def test_two_rank_run(agg, minibatches, correction, loss, extra, demo_dir, tmp_p
         assert r["rollout/mismatch_abs"] < 1e-4 and r["rollout/mismatch_out_share"] == 0
         assert r["rollout/correction_mean"] == pytest.approx(1.0, abs=1e-6)
         assert r["perf/train_tokens_per_s"] > 0 and r["perf/update_tflops"] > 0
+        # sum_i w_i L_i, each rank's over its groups and averaged over ranks and updates: 1 for these rules, which
+        # take a mean of token terms (token-batch's only over both ranks: each rank's share of the tokens)
+        if not r["train/skipped_updates"]:
+            assert r["loss/token_weight"] == pytest.approx(1.0, rel=1e-5)
     assert any(not r["train/no_signal"] for r in train)
     if minibatches > 1:  # a second update per rollout uses stored old log-probs: ratios move
         assert any(r["loss/approx_kl"] > 0 for r in train)
