@@ -294,7 +294,7 @@ def sample_checkpoint(llm, tokenizer, ckpt: str, benchmarks: dict[str, list[dict
                         f.write(json.dumps(rec) + "\n")
                 skipped += sum(too_long)
                 chunk = [(i, {**r, "prompt_ids": x}) for (i, r), x, skip in zip(chunk, ids, too_long) if not skip]
-                texts, scores = train_grpo.sample_and_score(
+                texts, scores = train_grpo.evaluation_samples(
                     llm, [r for _, r in chunk], [i for i, _ in chunk], n=args.n, temperature=args.temperature,
                     top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed, step=0, workers=args.reward_workers)
                 for (_, r), txt, sc in zip(chunk, texts, scores):
@@ -575,7 +575,7 @@ def make_llm(model: str, args):
         kw.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory)
     else:
         context = args.max_model_len or getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 4096)
-        kw.update(train_grpo.vllm_cpu_kwargs(context))
+        kw.update(grpo_run.vllm_cpu_kwargs(context))
     return LLM(model=model, **kw)
 
 
@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
             # each CPU engine on its own cores, as ranks are
-            train_grpo.pin_cpu_rank(args.shard, args.data_parallel_size)
+            grpo_run.pin_cpu_rank(args.shard, args.data_parallel_size)
         sample_all(pending, benchmarks, args)  # this process's engine
         if args.shard is not None:
             return

@@ -1,7 +1,9 @@
-"""The trainer's plumbing, beside the algorithm in train_grpo.py: argument checks, engine pins, the run
-directory (one writer, the run's identity, what --resume may change), checkpoints (save, damage checks,
-the resume point), early ends in one line, the update's memory model and token budget, metrics and
-loggers. Nothing here imports the trainer; the collectives it needs come in as arguments.
+"""The trainer's plumbing, beside the algorithm in train_grpo.py: argument checks and what each flag is to
+a run, engine pins, the run directory (one writer, the run's identity, what --resume may change),
+checkpoints (save, damage checks, the resume point), early ends in one line, micro-batches (packed rows,
+the attention kernels, the cut by a token budget), the update's memory model and token budget, the
+launch (process group, CPU cores, prompts), metrics and loggers. The collectives it needs come in as
+arguments; it imports the trainer only where a tool reads a run without parsing a command (declared).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import errno
 import fcntl
 import functools
 import hashlib
+import inspect
+import io
 import json
 import math
 import os
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -638,6 +643,52 @@ def load_training_state(engine, ckpt: Path, rank: int) -> dict:
     return json.loads((ckpt / "trainer_state.json").read_text())
 
 
+def finished(checkpoints: list[Path], steps: int, out_dir: Path, rank: int) -> bool:
+    """Whether the run already holds all `steps` (its newest checkpoint's step), said in one line by rank 0."""
+    done = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] if checkpoints else 0
+    if done >= steps and rank == 0:
+        print(f"[grpo] {out_dir} already holds all {steps} steps ({checkpoints[0].name}): nothing to do (raise "
+              "--steps to train on, or pick another --output-dir)", flush=True)
+    return done >= steps
+
+
+def save_step(engine, tokenizer, out_dir: Path, step: int, order: list[int], bad_streak: int, args,
+              sizes: dict, rank: int) -> None:
+    """A checkpoint of `step` (save_checkpoint: the full state and the HF export) recording the data order left,
+    the bad-step streak, the run's identity and the micro-batch sizes and device it was cut for (`sizes`); then
+    args.json, the arguments that trained it, replaced whole (a kill mid-write leaves the old one)."""
+    state = {"step": step, "order": order, "bad_streak": bad_streak, "run": run_identity(vars(args)), "sizes": sizes}
+    save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
+    if rank == 0:
+        (out_dir / "args.json.tmp").write_text(json.dumps(vars(args), indent=1))
+        os.replace(out_dir / "args.json.tmp", out_dir / "args.json")
+
+
+def stop_on_nonfinite_weights(engine, step: int, metrics: dict, log: Callable, close_loggers: Callable,
+                              out_dir: Path, world: int, rank: int, all_reduce: Callable) -> None:
+    """Every rank stops where the step's update made any weight non-finite, its metrics logged: nothing of it is
+    synced, evaluated or saved, and one line says where the run resumes from."""
+    import torch.distributed as dist
+
+    if nonfinite := nonfinite_weights(engine, all_reduce):
+        log(step, {**metrics, "train/nonfinite_weights": nonfinite})
+        close_loggers()
+        dist.barrier()
+        sys.exit(f"train_grpo.py: error: step {step}'s update made {nonfinite} weights non-finite (not saved); "
+                 f"{resume_point(out_dir, world)}" if rank == 0 else 1)
+
+
+def stop_after_bad_steps(bad_streak: int, max_bad_steps: int, step: int) -> None:
+    """Every rank stops after --max-bad-steps steps in a row whose updates DeepSpeed skipped (the step's
+    checkpoint is saved first)."""
+    import torch.distributed as dist
+
+    if bad_streak >= max_bad_steps:
+        dist.barrier()
+        sys.exit(f"train_grpo.py: error: {bad_streak} steps in a row had a non-finite loss or gradient (updates "
+                 f"skipped, weights unchanged); stopped with a checkpoint at step {step}")
+
+
 def resume_point(out_dir: Path, world: int) -> str:
     """Where the same command picks the run up: its newest complete checkpoint, said in words."""
     ckpt = next((c for c in checkpoint_dirs(out_dir / "checkpoints")[::-1] if checkpoint_problem(c, world) is None),
@@ -751,16 +802,17 @@ def resumed_sizes(recorded: dict, here: dict, flags_given) -> tuple[dict, int | 
     return {}, tokens if here.get("device") == "cuda" and isinstance(tokens, int) and tokens > 0 else None
 
 
-def apply_recorded_sizes(args, recorded: dict, here: dict, checkpoint: Path | None, rank: int) -> int | None:
-    """The micro-batch sizes `checkpoint` recorded, set in `args` where resumed_sizes reuses them (the run's own
-    budget, not measured anew: --deterministic cuts the same micro-batches), said in one line; returns the cap
-    on a budget measured anew (recorded on another device)."""
-    sizes, cap = resumed_sizes(recorded, here, args.flags_given)
-    vars(args).update(sizes)
+def apply_recorded_sizes(batching: argparse.Namespace, flags_given: list[str], recorded: dict, here: dict,
+                         checkpoint: Path | None, rank: int) -> int | None:
+    """The micro-batch sizes `checkpoint` recorded, set in `batching` (micro_batching) where resumed_sizes reuses
+    them (the run's own budget, not measured anew: --deterministic cuts the same micro-batches), said in one line;
+    returns the cap on a budget measured anew (recorded on another device)."""
+    sizes, cap = resumed_sizes(recorded, here, flags_given)
+    vars(batching).update(sizes)
     if rank == 0 and sizes:
         print("[grpo] micro-batches as the run recorded them: " + ", ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in sorted(sizes.items())), flush=True)
-    elif rank == 0 and recorded and not flags_with("size") & set(args.flags_given):  # recorded on another device
+    elif rank == 0 and recorded and not flags_with("size") & set(flags_given):  # recorded on another device
         print(f"[grpo] {checkpoint.name} cut its micro-batches on {device_words(recorded)}, this launch runs on "
               f"{device_words(here)}: " + (f"the token budget is measured anew at the first update, at most the "
                                            f"recorded {cap} tokens" if cap else "sizes of its own"), flush=True)
@@ -906,6 +958,160 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
 
 
 # -----------------------------------------------------------------------------
+# Micro-batches: packed rows (each sequence its own positions from 0, attention confined to it by a
+# variable-length kernel: no pad token is computed), the attention kernels, and the cut of a pass into
+# micro-batches by rows and a token budget
+
+
+def pack_batch(seqs: list[list[int]], prompt_lens: list[int], device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """[1, N] input_ids and response_mask for the sequences prompt+response packed into one row, and the model's
+    keyword arguments for it: per-sequence position_ids and the cumulative lengths packed_attention reads."""
+    assert min(prompt_lens) >= 1  # a sequence's first token is a prompt token: nothing predicts across a boundary
+    lens = [len(s) for s in seqs]
+    ids = torch.tensor([t for s in seqs for t in s])
+    resp = torch.cat([torch.arange(n) >= p for n, p in zip(lens, prompt_lens)])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    inputs = dict(position_ids=positions[None].to(device), cu_seq_lens_q=cu.to(device), cu_seq_lens_k=cu.to(device),
+                  max_length_q=max(lens), max_length_k=max(lens))
+    return ids[None].to(device), resp[None].to(device), inputs
+
+
+def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+    """--padded: right-padded input_ids, response_mask and the model's attention_mask, one row a sequence."""
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    resp = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        resp[i, p : len(s)] = True
+    return ids.to(device), resp.to(device), {"attention_mask": attn.to(device)}
+
+
+def model_inputs(mb: list[dict], batching, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    seqs, prompts = [r["tokens"] for r in mb], [r["prompt_len"] for r in mb]
+    if batching.padded:
+        return pad_batch(seqs, prompts, batching.pad_id, device)
+    return pack_batch(seqs, prompts, device)
+
+
+def micro_batching(args, tokenizer=None) -> argparse.Namespace:
+    """How the update builds and cuts its micro-batches: packed rows, or --padded ones padded with the tokenizer's
+    pad token (else its end of sequence), and the "size" flags as parsed. What a run learns over them, the sizes a
+    checkpoint recorded (apply_recorded_sizes) or the budget measured at the first update (memory_to_update), is
+    set here, never in the arguments."""
+    pad_id = 0 if tokenizer is None else tokenizer.eos_token_id if tokenizer.pad_token_id is None \
+        else tokenizer.pad_token_id
+    return argparse.Namespace(padded=args.padded, pad_id=pad_id, **{k: getattr(args, k) for k in flags_with("size")})
+
+
+# packed_attention's calls by the path each took, in attention_kind's names ("sdpa": each sequence through
+# scaled_dot_product_attention's default kernels, where the flash kernel does not apply): tests/update_check.py
+# reports which attention ran
+ATTENTION_CALLS: Counter[str] = Counter()
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention within each sequence of a packed row ([1, heads, N, head_dim]; cu_seq_lens_q: the
+    sequences' cumulative lengths), memory linear in N. CUDA: torch's variable-length flash kernel (GQA
+    native); --deterministic, fp32 or the CPU: each sequence through scaled_dot_product_attention, the math
+    kernel under --deterministic (its backward has no atomics). Rows without cu_seq_lens_q (--padded) go
+    through transformers' SDPA with their mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        ATTENTION_CALLS["sdpa-masked"] += 1
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("packed rows attend to whole sequences, not a sliding window: train this model with --padded")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if flash_kernel_applies(q):
+        ATTENTION_CALLS["flash"] += 1
+        from torch.nn.attention.varlen import varlen_attn
+
+        # contiguous [N, heads, head_dim], as the kernel's examples lay them out: Qwen2's projections and rotary
+        # outputs already are (a no-op there), a layout that is not gets a copy
+        m = kwargs["max_length_q"]
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        out = varlen_attn(q, k, v, cu, cu, m, m, scale=scaling, window_size=(-1, 0), enable_gqa=True)
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        ATTENTION_CALLS["math" if deterministic else "sdpa"] += 1
+        bounds = cu.tolist()
+        with sdpa_kernel([SDPBackend.MATH]) if deterministic else contextlib.nullcontext():
+            out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
+                scale=scaling, enable_gqa=True).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])])
+    return out[None], None  # [1, N, heads, head_dim], as transformers' attention functions return
+
+
+def flash_kernel_applies(q: torch.Tensor) -> bool:
+    """torch's variable-length flash kernel runs half precision on CUDA; not under --deterministic (atomics), nor
+    with a torch older than the pinned one whose kernel lacks causal windows or GQA (one sequence at a time then)."""
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    return q.is_cuda and half and not torch.are_deterministic_algorithms_enabled() and varlen_kernel_here()
+
+
+@functools.cache
+def varlen_kernel_here() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters)
+
+
+def attention_implementation(args) -> str:
+    """The policy's attention: "packed" (packed_attention, registered here), or eager under --padded
+    --deterministic (its backward is plain matmuls, where SDPA's flash and memory-efficient kernels use atomics)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register("packed", packed_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("packed", sdpa_mask)  # --padded rows: SDPA's mask from theirs
+    return "eager" if args.padded and args.deterministic else "packed"
+
+
+def attention_kind(args, cuda: bool) -> str:
+    """The attention kernel the update runs (packed_attention, attention_implementation), as memory_model names
+    it: flash (linear in the tokens), math (each sequence's scores materialised), sdpa-masked (--padded: SDPA
+    with a padding mask) or eager (--padded --deterministic)."""
+    if args.padded:
+        return "eager" if args.deterministic else "sdpa-masked"
+    return "math" if args.deterministic or not cuda else "flash"
+
+
+def micro_batches(seq_lens: list[int], max_rows: int | None, max_tokens: int = 0, count: int = 0,
+                  packed: bool = True) -> list[list[int]]:
+    """The micro-batches of one pass, as index lists: responses sorted by length (prompt + response), cut into
+    runs of at most `max_rows`; with a token budget (max_tokens > 0) also of at most `max_tokens` tokens (packed:
+    their sum; padded: rows x the longest), as verl's dynamic batch size. Then the one with most tokens is halved
+    until there are `count`: ZeRO-3 gathers the weights in every forward, so every rank must make as many. The
+    gradient is a sum over responses: any partition gives the same one."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    rows = max_rows or len(order)
+    size = (lambda b: sum(seq_lens[i] for i in b)) if packed else (lambda b: len(b) * seq_lens[b[-1]])
+    parts = []
+    for i in order:  # ascending: a padded part's last response is its longest
+        if not parts or len(parts[-1]) == rows or (max_tokens and size(parts[-1] + [i]) > max_tokens):
+            parts.append([])
+        parts[-1].append(i)
+    if count > len(seq_lens):  # each micro-batch holds a response at least: ranks hold as many (balance_ranks)
+        raise ValueError(f"{len(seq_lens)} responses cannot make the {count} micro-batches another rank makes")
+    while len(parts) < count:
+        k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: size(parts[j]))
+        b = parts[k]
+        parts[k : k + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
+    return parts
+
+
+# -----------------------------------------------------------------------------
 # Memory: what a micro-batch of the update holds on CUDA, and the token budget sized from it
 
 
@@ -913,7 +1119,7 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
                  live_params: float = 1e9, world: int = 1, reduce_bucket: float = 5e8) -> dict[str, float]:
     """Bytes a rank holds at the peak of a micro-batch's forward and backward on CUDA (bf16, fp32 norms), as
     'per_token' (times the micro-batch's tokens) and 'fixed', with the terms they sum; `attention`: the kernel
-    the update runs (train_grpo.attention_kind). Per token:
+    the update runs (attention_kind). Per token:
       layer inputs    2 h (L + 1): checkpoints, the same tensors as output_hidden_states, and the final norm;
       layer(s)        a decoder layer's saved forward, per token: 2 RMSNorms (fp32 input and normed copies,
                       bf16 output: 10 h each), q, k, v (2 (q + 2 kv)), their rotated copies with rotate_half's
@@ -1000,7 +1206,7 @@ def token_budget(model: dict[str, float], free_bytes: int, longest: int, to_come
 
 
 def trainer_memory(engine, args, longest: int, attention: str) -> dict[str, float]:
-    """memory_model of this engine's model, attention kernel (train_grpo.attention_kind) and ZeRO-3 settings (CUDA's
+    """memory_model of this engine's model, attention kernel (attention_kind) and ZeRO-3 settings (CUDA's
     bf16 path), its states partitioned over the engine's ranks."""
     return memory_model(engine.module.config, engine.module.is_gradient_checkpointing, args.logprob_chunk, attention,
                         longest, engine.zero_max_live_parameters(), engine.world_size, engine.zero_reduce_bucket_size())
@@ -1112,6 +1318,174 @@ def balance_ranks(rollouts: list[dict], group_size: int, minibatches: int, rank:
     arrived = all_gather(leaving)
     dealt = [r for src, j in mine for r in (group(j) if src == rank else arrived[src][j])]
     return dealt, {"perf/rank_tokens_max_mean": max(after), "perf/rank_tokens_max_mean_as_sampled": max(before)}
+
+
+def memory_to_update(llm, engine, args, batching, rank: int, cap: int | None = None) -> int | None:
+    """CUDA, after the rollout: vLLM sleeps at level 2 (weights discarded, not copied to host: the sync
+    reloads them; its KV cache freed); returns the micro-batches' token budget that the memory free then
+    gives, where the run has none yet (its first step; a resumed run keeps the budget its first launch
+    recorded, so --deterministic cuts the same ones), at most `cap` (one recorded on another device)."""
+    llm.sleep(level=2)
+    torch.cuda.empty_cache()
+    if batching.micro_batch_tokens is not None:
+        return None
+    budget, model = measured_budget(engine, args, args.max_prompt_len + args.max_response_len)
+    if rank == 0:
+        print(f"[grpo] micro-batches of up to {budget} tokens (--micro-batch-tokens; "
+              f"{model['per_token'] / 2**20:.2f} MiB a token, {model['fixed'] / 2**30:.1f} GiB fixed: "
+              "memory_model)", flush=True)
+    if cap and cap < budget:
+        if rank == 0:
+            print(f"[grpo] micro-batches of up to {cap} tokens, as the run recorded them: not the {budget} "
+                  "measured here", flush=True)
+        return cap
+    return budget
+
+
+def measured_budget(engine, args, longest: int) -> tuple[int, dict[str, float]]:
+    """CUDA: the token budget (token_budget) for this engine's model, attention and ZeRO-3 settings on the memory
+    free now less what the trainer has yet to allocate (Adam's moments, before the first optimizer step), and the
+    memory_model it used."""
+    model = trainer_memory(engine, args, longest, attention_kind(args, cuda=True))
+    return token_budget(model, torch.cuda.mem_get_info()[0], longest, states_to_come(engine, model)), model
+
+
+# -----------------------------------------------------------------------------
+# The launch: process group, CPU cores, deterministic kernels, prompts; the loop's guard on the weights
+
+
+def nonfinite_weights(engine, all_reduce: Callable) -> int:
+    """Non-finite weights over all ranks (each counts its own ZeRO-3 partition, no gather; one device sync)."""
+    counts = [(~torch.isfinite(getattr(p, "ds_tensor", p))).sum() for p in engine.module.parameters()]
+    return int(all_reduce([torch.stack(counts).sum().item()]).item())
+
+
+def init_distributed(out_dir: Path, checkpoints: list[Path], world: int, all_gather: Callable) -> tuple[int, int]:
+    """Join the launcher's process group (NCCL on CUDA, gloo on the CPU); (rank, local rank).
+    Every rank must see the same run: the output directory is shared between nodes (`all_gather`: the
+    trainer's all_gather_objects)."""
+    if "MASTER_PORT" not in os.environ:  # plain `python train_grpo.py` runs as one rank, on a free port
+        os.environ["MASTER_PORT"] = str(free_port())
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(k, v)
+    import deepspeed
+    import torch.distributed as dist
+    import transformers
+
+    cuda, local_rank = torch.cuda.is_available(), int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
+    with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if not cuda:  # after the first start's JIT build of DeepSpeed's CPU comm op, which may use every core
+        # ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
+        pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
+    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
+    rank = dist.get_rank()
+    token = all_gather(f".shared-{os.urandom(8).hex()}" if rank == 0 else None)[0]
+    if rank == 0:
+        (out_dir / token).write_text("")
+    dist.barrier()
+    seen = all_gather(((out_dir / token).exists(), [c.name for c in checkpoints]))
+    dist.barrier()
+    if rank == 0:
+        (out_dir / token).unlink()
+    if not all(s == seen[0] for s in seen) or not seen[0][0]:
+        sys.exit(f"train_grpo.py: error: rank {rank}: the ranks do not see the same {out_dir} "
+                 "(--output-dir must be one directory shared by every node)")
+    return rank, local_rank
+
+
+def pin_cpu_rank(local_rank: int, local_world: int) -> None:
+    """On the CPU, each rank (its trainer and its in-process vLLM engine) on its own share of cores.
+
+    vLLM binds threads only for engines in worker processes (VLLM_CPU_OMP_THREADS_BIND does
+    nothing in-process); unpinned, every rank runs one thread per core of the machine, and the
+    ranks' spinning OpenMP threads fight over the cores (docs/step_benchmark.md).
+    A launcher that binds ranks itself (deepspeed --bind_cores_to_rank) sets OMP_NUM_THREADS:
+    then it is left alone. Call it before the first parallel torch op, so that every thread
+    this rank starts from then on inherits its cores.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    if not hasattr(os, "sched_setaffinity"):  # macOS: no affinity, threads only
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // local_world)
+    mine = [cores[(local_rank * per + i) % len(cores)] for i in range(per)]  # more ranks than cores: shared
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+
+
+def make_deterministic() -> None:
+    """--deterministic: the update's kernels give the same bits on every rerun (CUDA's atomics-based
+    backward kernels swapped for deterministic ones; cuBLAS's workspace fixed, which it reads when its
+    first handle is made, so call this before any CUDA work). An op with no deterministic version warns,
+    naming itself, rather than stopping a run; tests/test_gpu.py demands a bit-exact redo of the update."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+def vllm_cpu_kwargs(max_model_len: int) -> dict:
+    # vLLM's CPU sampler cannot rewind a seeded request's generator when chunked prefill splits
+    # its prompt ("CPU Generator does not use offset"), which happens as soon as a batch's prompt
+    # tokens exceed the token budget. Prefill whole prompts instead, with a budget that holds
+    # the longest (vLLM's CPU platform does the same for MLA models).
+    return dict(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
+                max_num_batched_tokens=max(max_model_len, 4096))
+
+
+def load_prompts(
+    spec: str, tokenizer, args, limit: int | None = None, train: bool = False
+) -> tuple[list[dict], int]:
+    """Rows with their rendered, tokenized prompt; drops (and counts) over-long prompts.
+    train: a training set, deduplicated by prompt (held-out sets are taken as published)."""
+    from data.prepare import load_rows
+    from data.templates import prompt_ids
+
+    rows, dropped = [], 0
+    for row in load_rows(spec, train=train):
+        ids = prompt_ids(row, args.template, tokenizer)
+        if len(ids) > args.max_prompt_len:
+            dropped += 1
+            continue
+        rows.append({**row, "prompt_ids": ids})
+        if limit and len(rows) >= limit:
+            break
+    if not rows:
+        raise ValueError(f"dataset {spec}: no prompts left ({dropped} longer than --max-prompt-len)")
+    return rows, dropped
+
+
+def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list[dict]]:
+    """(model path, tokenizer, training rows, prompts dropped as too long, held-out rows); a bad input
+    stops every rank with one line before any engine starts."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoTokenizer
+
+    from data.demo import model_dir
+    from rewards import SandboxUnavailable, sandbox_mode
+
+    try:
+        if local_rank == 0:
+            model_dir(args.model)  # an offline policy is copied into this node's cache once
+        dist.barrier()
+        model_path = model_dir(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+        if context and args.max_prompt_len + args.max_response_len > context:
+            raise ValueError(f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len} "
+                             f"exceeds the model's context of {context} tokens")
+        train_rows, dropped = load_prompts(args.dataset, tokenizer, args, train=True)
+        eval_rows = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit)[0] if args.eval_dataset else []
+        if any(r["kind"] == "code" for r in train_rows + eval_rows):
+            sandbox_mode()  # code rewards fail closed without bubblewrap: say so before any engine starts
+    except (ValueError, OSError, SandboxUnavailable) as e:
+        sys.exit(f"train_grpo.py: error: {first_line(e)}")
+    return model_path, tokenizer, train_rows, dropped, eval_rows
 
 
 # -----------------------------------------------------------------------------

@@ -15,17 +15,14 @@ One step, top to bottom: the numbered sections of this file, and main()'s loop.
   6. update       ZeRO-3 backward and step per mini-batch, over packed micro-batches cut by a
                   token budget (each a row of whole sequences, attention confined to each);
   7. sync         gather ZeRO-3 partitions one parameter at a time into vLLM, in place.
-Then the engines and the distributed set-up, then main(). The run's plumbing (argument checks, the
-run directory, checkpoints, early ends, metrics and loggers) is in grpo_run.py.
+Then the engines and the collectives, then main(). The run's plumbing (argument checks, the run
+directory, checkpoints, early ends, packed micro-batches and the attention kernels, memory sizing, the
+launch, metrics and loggers) is in grpo_run.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
-import inspect
-import io
 import json
 import logging
 import math
@@ -34,7 +31,7 @@ import random
 import sys
 import time
 import warnings
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 # Engines run in this process (colocated), as RL trainers use them; must precede `import vllm`.
@@ -64,6 +61,8 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     LAUNCH,
     SAME_BEFORE,
     apply_recorded_sizes,
+    attention_implementation,
+    attention_kind,
     balance_ranks,
     check_args,
     check_jit_cache,
@@ -74,28 +73,35 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     device_fit,
     device_record,
     exit_without_teardown,
+    finished,
     first_line,
     flags_with,
-    free_port,
     gpu_memory,
+    init_distributed,
     installed_versions,
     jit_extensions_dir,
+    load_data,
     load_training_state,
+    make_deterministic,
+    memory_to_update,
+    micro_batches,
+    micro_batching,
     model_flops_fn,
+    model_inputs,
     note_ranks,
     one_line_early_ends,
     open_loggers,
     pin_mismatch,
-    resume_point,
     rng_state,
-    run_identity,
-    save_checkpoint,
+    save_step,
     seed_rngs,
     set_rng_state,
     states_to_come,
     step_metrics,
-    token_budget,
+    stop_after_bad_steps,
+    stop_on_nonfinite_weights,
     trainer_memory,
+    vllm_cpu_kwargs,
 )
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_extensions_dir())  # a user's own choice is kept
@@ -315,13 +321,13 @@ def to_rollouts(rows: list[dict], outputs: list) -> list[dict]:
         advantage                3. group advantages
         old_logp, ref_logp       6. the engine's log-probs before the update (and the KL reference's)
     """
-    def sampled_logp(c) -> torch.Tensor | None:
+    def vllm_logp(c) -> torch.Tensor | None:
         return torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) if c.logprobs else None
 
     return [
         {"row": row, "text": c.text, "prompt_len": len(row["prompt_ids"]),
          "tokens": row["prompt_ids"] + list(c.token_ids), "length": len(c.token_ids),
-         "truncated": c.finish_reason == "length", "vllm_logp": sampled_logp(c),
+         "truncated": c.finish_reason == "length", "vllm_logp": vllm_logp(c),
          "score": None, "reward": None, "advantage": None, "old_logp": None, "ref_logp": None}
         for row, o in zip(rows, outputs) for c in o.outputs
     ]
@@ -336,8 +342,8 @@ def rollout(llm, rows: list[dict], args, step: int, first_index: int) -> list[di
     return to_rollouts(rows, generate(llm, rows, params))
 
 
-def sample_step(llm, train_rows: list[dict], order: list[int], args, step: int, rank: int, world: int,
-                timer: dict, reward_stats: dict, progress=None) -> tuple[list[dict], list[int], dict[str, float]]:
+def rollout_step(llm, train_rows: list[dict], order: list[int], args, step: int, rank: int, world: int,
+                 timer: dict, reward_stats: dict, progress=None) -> tuple[list[dict], list[int], dict[str, float]]:
     """This rank's share of the step's groups, scored; the data order left; the sampling's metrics.
 
     One round: --prompts-per-step prompts P, prompt j of rank r being the step's prompt r P/world + j.
@@ -671,133 +677,7 @@ def chunked_logprobs(
 # attention confined to each sequence by a variable-length kernel (no pad token is computed).
 
 
-def pack_batch(seqs: list[list[int]], prompt_lens: list[int], device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """[1, N] input_ids and response_mask for the sequences prompt+response packed into one row, and the model's
-    keyword arguments for it: per-sequence position_ids and the cumulative lengths packed_attention reads."""
-    assert min(prompt_lens) >= 1  # a sequence's first token is a prompt token: nothing predicts across a boundary
-    lens = [len(s) for s in seqs]
-    ids = torch.tensor([t for s in seqs for t in s])
-    resp = torch.cat([torch.arange(n) >= p for n, p in zip(lens, prompt_lens)])
-    positions = torch.cat([torch.arange(n) for n in lens])
-    cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    inputs = dict(position_ids=positions[None].to(device), cu_seq_lens_q=cu.to(device), cu_seq_lens_k=cu.to(device),
-                  max_length_q=max(lens), max_length_k=max(lens))
-    return ids[None].to(device), resp[None].to(device), inputs
-
-
-def pad_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int, device) -> tuple[torch.Tensor, ...]:
-    """--padded: right-padded input_ids, response_mask and the model's attention_mask, one row a sequence."""
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    resp = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        resp[i, p : len(s)] = True
-    return ids.to(device), resp.to(device), {"attention_mask": attn.to(device)}
-
-
-def model_inputs(mb: list[dict], args, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    seqs, prompts = [r["tokens"] for r in mb], [r["prompt_len"] for r in mb]
-    return pad_batch(seqs, prompts, args.pad_id, device) if args.padded else pack_batch(seqs, prompts, device)
-
-
-# packed_attention's calls by the path each took, in attention_kind's names ("sdpa": each sequence through
-# scaled_dot_product_attention's default kernels, where the flash kernel does not apply): tests/update_check.py
-# reports which attention ran
-ATTENTION_CALLS: Counter[str] = Counter()
-
-
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Causal attention within each sequence of a packed row ([1, heads, N, head_dim]; cu_seq_lens_q: the
-    sequences' cumulative lengths), memory linear in N. CUDA: torch's variable-length flash kernel (GQA
-    native); --deterministic, fp32 or the CPU: each sequence through scaled_dot_product_attention, the math
-    kernel under --deterministic (its backward has no atomics). Rows without cu_seq_lens_q (--padded) go
-    through transformers' SDPA with their mask."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        ATTENTION_CALLS["sdpa-masked"] += 1
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("packed rows attend to whole sequences, not a sliding window: train this model with --padded")
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    if flash_kernel_applies(q):
-        ATTENTION_CALLS["flash"] += 1
-        from torch.nn.attention.varlen import varlen_attn
-
-        # contiguous [N, heads, head_dim], as the kernel's examples lay them out: Qwen2's projections and rotary
-        # outputs already are (a no-op there), a layout that is not gets a copy
-        m = kwargs["max_length_q"]
-        q, k, v = (x.contiguous() for x in (q, k, v))
-        out = varlen_attn(q, k, v, cu, cu, m, m, scale=scaling, window_size=(-1, 0), enable_gqa=True)
-    else:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        ATTENTION_CALLS["math" if deterministic else "sdpa"] += 1
-        bounds = cu.tolist()
-        with sdpa_kernel([SDPBackend.MATH]) if deterministic else contextlib.nullcontext():
-            out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
-                scale=scaling, enable_gqa=True).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])])
-    return out[None], None  # [1, N, heads, head_dim], as transformers' attention functions return
-
-
-def flash_kernel_applies(q: torch.Tensor) -> bool:
-    """torch's variable-length flash kernel runs half precision on CUDA; not under --deterministic (atomics), nor
-    with a torch older than the pinned one whose kernel lacks causal windows or GQA (one sequence at a time then)."""
-    half = q.dtype in (torch.bfloat16, torch.float16)
-    return q.is_cuda and half and not torch.are_deterministic_algorithms_enabled() and varlen_kernel_here()
-
-
-@functools.cache
-def varlen_kernel_here() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return False
-    return {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters)
-
-
-def attention_implementation(args) -> str:
-    """The policy's attention: "packed" (packed_attention, registered here), or eager under --padded
-    --deterministic (its backward is plain matmuls, where SDPA's flash and memory-efficient kernels use atomics)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register("packed", packed_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("packed", sdpa_mask)  # --padded rows: SDPA's mask from theirs
-    return "eager" if args.padded and args.deterministic else "packed"
-
-
-def micro_batches(seq_lens: list[int], max_rows: int | None, max_tokens: int = 0, count: int = 0,
-                  packed: bool = True) -> list[list[int]]:
-    """The micro-batches of one pass, as index lists: responses sorted by length (prompt + response), cut into
-    runs of at most `max_rows`; with a token budget (max_tokens > 0) also of at most `max_tokens` tokens (packed:
-    their sum; padded: rows x the longest), as verl's dynamic batch size. Then the one with most tokens is halved
-    until there are `count`: ZeRO-3 gathers the weights in every forward, so every rank must make as many. The
-    gradient is a sum over responses: any partition gives the same one."""
-    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
-    rows = max_rows or len(order)
-    size = (lambda b: sum(seq_lens[i] for i in b)) if packed else (lambda b: len(b) * seq_lens[b[-1]])
-    parts = []
-    for i in order:  # ascending: a padded part's last response is its longest
-        if not parts or len(parts[-1]) == rows or (max_tokens and size(parts[-1] + [i]) > max_tokens):
-            parts.append([])
-        parts[-1].append(i)
-    if count > len(seq_lens):  # each micro-batch holds a response at least: ranks hold as many (balance_ranks)
-        raise ValueError(f"{len(seq_lens)} responses cannot make the {count} micro-batches another rank makes")
-    while len(parts) < count:
-        k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: size(parts[j]))
-        b = parts[k]
-        parts[k : k + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
-    return parts
-
-
+@torch.no_grad()
 def rank_micro_batches(batch: list[dict], max_rows: int | None, max_tokens: int, packed: bool) -> list[list[int]]:
     """micro_batches of this rank's responses, as many on every rank (one all-reduce, only with a budget)."""
     lens = [len(r["tokens"]) for r in batch]
@@ -807,24 +687,25 @@ def rank_micro_batches(batch: list[dict], max_rows: int | None, max_tokens: int,
     return parts
 
 
-@torch.no_grad()
-def fill_logprobs(engine, rollouts: list[dict], key: str, args, device) -> None:
+def fill_logprobs(engine, rollouts: list[dict], key: str, args, batching, device) -> None:
     """r[key] = the engine's per-token log-probs of each response, --logprob-batch-size responses per forward.
 
     A forward-only pass keeps no activations for a backward, so it takes a larger batch than the
     update's micro-batch; under ZeRO-3 every forward gathers every parameter, so fewer passes
     gather less (docs/step_benchmark.md). Batches are bucketed by length and cut by the token budget (the
     update's: the hidden states of every layer are returned, as many bytes as the update's checkpoints).
+    `batching`: the micro-batches' sizes and rows (grpo_run.micro_batching).
     """
-    for idx in rank_micro_batches(rollouts, args.logprob_batch_size, args.micro_batch_tokens, not args.padded):
+    cut = rank_micro_batches(rollouts, batching.logprob_batch_size, batching.micro_batch_tokens, not batching.padded)
+    for idx in cut:
         mb = [rollouts[i] for i in idx]
-        ids, resp, inputs = model_inputs(mb, args, device)
+        ids, resp, inputs = model_inputs(mb, batching, device)
         lp = token_logprobs(engine, ids, resp, inputs, args.temperature, args.logprob_chunk).float().cpu()
         for r, x in zip(mb, lp.split([r["length"] for r in mb])):
             r[key] = x
 
 
-def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, device) -> dict[str, float]:
+def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, batching, device) -> dict[str, float]:
     """Accumulate d/dtheta of sum_i w_i sum_t l_it over this rank's share of a mini-batch, then step.
 
     The weights (loss_weights) carry all the normalisation; `scale_wrt_gas=False` stops DeepSpeed
@@ -834,12 +715,12 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
     """
     sums, skipped_before = defaultdict(float), engine.skipped_steps
     log_cap = math.log(args.rollout_correction_cap)
-    parts = rank_micro_batches(batch, args.micro_batch_size, args.micro_batch_tokens, not args.padded)
+    parts = rank_micro_batches(batch, batching.micro_batch_size, batching.micro_batch_tokens, not batching.padded)
     for k, idx in enumerate(parts):
         mb = [batch[i] for i in idx]
         # the optimizer steps after the mini-batch's last micro-batch, however many a short step has
         engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
-        ids, resp, inputs = model_inputs(mb, args, device)
+        ids, resp, inputs = model_inputs(mb, batching, device)
         logp = token_logprobs(engine, ids, resp, inputs, args.temperature, args.logprob_chunk)
         n_tok = torch.tensor([r["length"] for r in mb], device=device)
         per_token = lambda x: torch.repeat_interleave(x.to(device), n_tok)  # noqa: E731
@@ -871,7 +752,7 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, dev
     return sums
 
 
-def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, device, world: int,
+def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, batching, device, world: int,
            timer: dict) -> dict[str, float]:
     """Steps 4-6 on this rank's rollout batch: old log-probs (only when the policy moves between
     mini-batches; else the detached current ones) and reference ones (only with KL), the aggregation
@@ -881,9 +762,9 @@ def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, de
     learns = all_reduce([float(bool((adv != 0).any()) or args.kl_coef > 0)], op="max").item() > 0
     t0 = time.time()
     if args.minibatches > 1 and learns:
-        fill_logprobs(engine, rollouts, "old_logp", args, device)
+        fill_logprobs(engine, rollouts, "old_logp", args, batching, device)
     if ref_engine is not None and learns:
-        fill_logprobs(ref_engine, rollouts, "ref_logp", args, device)
+        fill_logprobs(ref_engine, rollouts, "ref_logp", args, batching, device)
     timer["logprobs"] = time.time() - t0
     t0 = time.time()
     engine.train()
@@ -891,7 +772,7 @@ def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, de
     sums, per_mb = defaultdict(float), len(rollouts) // args.minibatches
     for mb in range(args.minibatches if learns else 0):
         part = slice(mb * per_mb, (mb + 1) * per_mb)
-        s = update_minibatch(engine, rollouts[part], weights[part], args, device)
+        s = update_minibatch(engine, rollouts[part], weights[part], args, batching, device)
         bad = s.pop("skipped") > 0  # as DeepSpeed decided: the weights did not move
         for k, v in s.items():
             sums[k] += 0.0 if bad else v
@@ -899,51 +780,6 @@ def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, de
         sums["updates"] += (not bad) / world
     timer["update"] = time.time() - t0
     return sums
-
-
-def memory_to_update(llm, engine, args, rank: int, cap: int | None = None) -> int | None:
-    """CUDA, after the rollout: vLLM sleeps at level 2 (weights discarded, not copied to host: the sync
-    reloads them; its KV cache freed); returns the micro-batches' token budget that the memory free then
-    gives, where the run has none yet (its first step; a resumed run keeps the budget its first launch
-    recorded, so --deterministic cuts the same ones), at most `cap` (one recorded on another device)."""
-    llm.sleep(level=2)
-    torch.cuda.empty_cache()
-    if args.micro_batch_tokens is not None:
-        return None
-    budget, model = measured_budget(engine, args, args.max_prompt_len + args.max_response_len)
-    if rank == 0:
-        print(f"[grpo] micro-batches of up to {budget} tokens (--micro-batch-tokens; "
-              f"{model['per_token'] / 2**20:.2f} MiB a token, {model['fixed'] / 2**30:.1f} GiB fixed: "
-              "memory_model)", flush=True)
-    if cap and cap < budget:
-        if rank == 0:
-            print(f"[grpo] micro-batches of up to {cap} tokens, as the run recorded them: not the {budget} "
-                  "measured here", flush=True)
-        return cap
-    return budget
-
-
-def measured_budget(engine, args, longest: int) -> tuple[int, dict[str, float]]:
-    """CUDA: the token budget (token_budget) for this engine's model, attention and ZeRO-3 settings on the memory
-    free now less what the trainer has yet to allocate (Adam's moments, before the first optimizer step), and the
-    memory_model it used."""
-    model = trainer_memory(engine, args, longest, attention_kind(args, cuda=True))
-    return token_budget(model, torch.cuda.mem_get_info()[0], longest, states_to_come(engine, model)), model
-
-
-def attention_kind(args, cuda: bool) -> str:
-    """The attention kernel the update runs (packed_attention, attention_implementation), as memory_model names
-    it: flash (linear in the tokens), math (each sequence's scores materialised), sdpa-masked (--padded: SDPA
-    with a padding mask) or eager (--padded --deterministic)."""
-    if args.padded:
-        return "eager" if args.deterministic else "sdpa-masked"
-    return "math" if args.deterministic or not cuda else "flash"
-
-
-def nonfinite_weights(engine) -> int:
-    """Non-finite weights over all ranks (each counts its own ZeRO-3 partition, no gather; one device sync)."""
-    counts = [(~torch.isfinite(getattr(p, "ds_tensor", p))).sum() for p in engine.module.parameters()]
-    return int(all_reduce([torch.stack(counts).sum().item()]).item())
 
 
 # -----------------------------------------------------------------------------
@@ -1051,64 +887,6 @@ def checked_launch(argv: list[str] | None) -> tuple[argparse.Namespace, int, dic
     return argparse.Namespace(**{**vars(args), **as_trained}), world, ds_config, checkpoints
 
 
-def init_distributed(out_dir: Path, checkpoints: list[Path], world: int) -> tuple[int, int]:
-    """Join the launcher's process group (NCCL on CUDA, gloo on the CPU); (rank, local rank).
-    Every rank must see the same run: the output directory is shared between nodes."""
-    if "MASTER_PORT" not in os.environ:  # plain `python train_grpo.py` runs as one rank, on a free port
-        os.environ["MASTER_PORT"] = str(free_port())
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
-        os.environ.setdefault(k, v)
-    import deepspeed
-    import torch.distributed as dist
-    import transformers
-
-    cuda, local_rank = torch.cuda.is_available(), int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
-    with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    if not cuda:  # after the first start's JIT build of DeepSpeed's CPU comm op, which may use every core
-        # ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
-        pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
-    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
-    rank = dist.get_rank()
-    token = all_gather_objects(f".shared-{os.urandom(8).hex()}" if rank == 0 else None)[0]
-    if rank == 0:
-        (out_dir / token).write_text("")
-    dist.barrier()
-    seen = all_gather_objects(((out_dir / token).exists(), [c.name for c in checkpoints]))
-    dist.barrier()
-    if rank == 0:
-        (out_dir / token).unlink()
-    if not all(s == seen[0] for s in seen) or not seen[0][0]:
-        sys.exit(f"train_grpo.py: error: rank {rank}: the ranks do not see the same {out_dir} "
-                 "(--output-dir must be one directory shared by every node)")
-    return rank, local_rank
-
-
-def pin_cpu_rank(local_rank: int, local_world: int) -> None:
-    """On the CPU, each rank (its trainer and its in-process vLLM engine) on its own share of cores.
-
-    vLLM binds threads only for engines in worker processes (VLLM_CPU_OMP_THREADS_BIND does
-    nothing in-process); unpinned, every rank runs one thread per core of the machine, and the
-    ranks' spinning OpenMP threads fight over the cores (docs/step_benchmark.md).
-    A launcher that binds ranks itself (deepspeed --bind_cores_to_rank) sets OMP_NUM_THREADS:
-    then it is left alone. Call it before the first parallel torch op, so that every thread
-    this rank starts from then on inherits its cores.
-    """
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    if not hasattr(os, "sched_setaffinity"):  # macOS: no affinity, threads only
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // local_world)
-    mine = [cores[(local_rank * per + i) % len(cores)] for i in range(per)]  # more ranks than cores: shared
-    os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
-
-
 def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
     """The file's optimizer and ZeRO settings, with batch sizes, lr and precision from the flags.
 
@@ -1159,16 +937,6 @@ def linear_warmup(num_updates: int):
     from torch.optim.lr_scheduler import LambdaLR
 
     return lambda optimizer: LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / num_updates))
-
-
-def make_deterministic() -> None:
-    """--deterministic: the update's kernels give the same bits on every rerun (CUDA's atomics-based
-    backward kernels swapped for deterministic ones; cuBLAS's workspace fixed, which it reads when its
-    first handle is made, so call this before any CUDA work). An op with no deterministic version warns,
-    naming itself, rather than stopping a run; tests/test_gpu.py demands a bit-exact redo of the update."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
 
 
 def build_trainer(args, model_path: str, ds_config: dict):
@@ -1251,15 +1019,6 @@ def stop_all(problem: str | None) -> None:
         sys.exit(f"train_grpo.py: error: {errors[0]}")
 
 
-def vllm_cpu_kwargs(max_model_len: int) -> dict:
-    # vLLM's CPU sampler cannot rewind a seeded request's generator when chunked prefill splits
-    # its prompt ("CPU Generator does not use offset"), which happens as soon as a batch's prompt
-    # tokens exceed the token budget. Prefill whole prompts instead, with a budget that holds
-    # the longest (vLLM's CPU platform does the same for MLA models).
-    return dict(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
-                max_num_batched_tokens=max(max_model_len, 4096))
-
-
 def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank: int):
     """The ZeRO-3 policy engine, the frozen reference engine (only with --kl-coef), the vLLM engine."""
     engine, ref_engine = build_trainer(args, model_path, ds_config)
@@ -1268,57 +1027,6 @@ def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank:
         longest = args.max_prompt_len + args.max_response_len
         to_come = states_to_come(engine, trainer_memory(engine, args, longest, attention_kind(args, cuda=True)))
     return engine, ref_engine, make_vllm(model_path, args, rank, local_rank, to_come)
-
-
-def load_prompts(
-    spec: str, tokenizer, args, limit: int | None = None, train: bool = False
-) -> tuple[list[dict], int]:
-    """Rows with their rendered, tokenized prompt; drops (and counts) over-long prompts.
-    train: a training set, deduplicated by prompt (held-out sets are taken as published)."""
-    from data.prepare import load_rows
-    from data.templates import prompt_ids
-
-    rows, dropped = [], 0
-    for row in load_rows(spec, train=train):
-        ids = prompt_ids(row, args.template, tokenizer)
-        if len(ids) > args.max_prompt_len:
-            dropped += 1
-            continue
-        rows.append({**row, "prompt_ids": ids})
-        if limit and len(rows) >= limit:
-            break
-    if not rows:
-        raise ValueError(f"dataset {spec}: no prompts left ({dropped} longer than --max-prompt-len)")
-    return rows, dropped
-
-
-def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list[dict]]:
-    """(model path, tokenizer, training rows, prompts dropped as too long, held-out rows); a bad input
-    stops every rank with one line before any engine starts."""
-    import torch.distributed as dist
-    from transformers import AutoConfig, AutoTokenizer
-
-    from data.demo import model_dir
-    from rewards import SandboxUnavailable, sandbox_mode
-
-    try:
-        if local_rank == 0:
-            model_dir(args.model)  # an offline policy is copied into this node's cache once
-        dist.barrier()
-        model_path = model_dir(args.model)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-        if context and args.max_prompt_len + args.max_response_len > context:
-            raise ValueError(f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len} "
-                             f"exceeds the model's context of {context} tokens")
-        args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        train_rows, dropped = load_prompts(args.dataset, tokenizer, args, train=True)
-        eval_rows = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit)[0] if args.eval_dataset else []
-        if any(r["kind"] == "code" for r in train_rows + eval_rows):
-            sandbox_mode()  # code rewards fail closed without bubblewrap: say so before any engine starts
-    except (ValueError, OSError, SandboxUnavailable) as e:
-        sys.exit(f"train_grpo.py: error: {first_line(e)}")
-    return model_path, tokenizer, train_rows, dropped, eval_rows
 
 
 def recorded_sizes(ckpt: Path, args, world: int) -> dict:
@@ -1330,6 +1038,20 @@ def recorded_sizes(ckpt: Path, args, world: int) -> dict:
                          parse=lambda flags: parse_args(["--model", args.model, *flags]),
                          check=lambda values: check_args(argparse.Namespace(**{**vars(args), **values}), world,
                                                          POLICY_LOSS_DEFAULTS[args.policy_loss], OFFLINE_DEFAULTS))
+
+
+def resumed_batching(args, tokenizer, resumed: Path | None, world: int, here: dict, rank: int
+                     ) -> tuple[argparse.Namespace, int | None]:
+    """How the update cuts its micro-batches (grpo_run.micro_batching: what the run learns of them lives there,
+    not in args), with the sizes the checkpoint resumed from recorded where they apply, and the cap on a token
+    budget measured anew (apply_recorded_sizes). The record is checked at the launch, and here again where the
+    resume fell back to an older checkpoint: a damaged one is one line."""
+    try:
+        recorded = recorded_sizes(resumed, args, world) if resumed else {}
+    except ValueError as e:
+        sys.exit(f"train_grpo.py: error: {e}")
+    batching = micro_batching(args, tokenizer)
+    return batching, apply_recorded_sizes(batching, args.flags_given, recorded, here, resumed, rank)
 
 
 def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tuple[int, list[int], int, Path | None]:
@@ -1352,8 +1074,9 @@ def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tu
     return 0, [], 0, None
 
 
-def sample_and_score(llm, rows: list[dict], prompt_indices: list[int], n: int, temperature: float, top_p: float,
-                     max_tokens: int, seed: int, step: int, workers: int) -> tuple[list[list[str]], list[list[float]]]:
+def evaluation_samples(llm, rows: list[dict], prompt_indices: list[int], n: int, temperature: float, top_p: float,
+                       max_tokens: int, seed: int, step: int, workers: int
+                       ) -> tuple[list[list[str]], list[list[float]]]:
     """n responses to each row's prompt_ids and their rewards, per row: the one evaluation path of the
     trainer's in-loop evaluation and of evaluate.py."""
     from rewards import compute_rewards, reference
@@ -1365,15 +1088,15 @@ def sample_and_score(llm, rows: list[dict], prompt_indices: list[int], n: int, t
     return texts, [flat[j * n : (j + 1) * n] for j in range(len(rows))]
 
 
-def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_dir: Path) -> dict[str, float]:
+def evaluate_held_out(llm, rows: list[dict], args, rank: int, world: int, step: int, out_dir: Path) -> dict[str, float]:
     """Greedy accuracy and sampled Acc@k on this rank's shard of the held-out prompts."""
     shard, idx, k = rows[rank::world], list(range(rank, len(rows), world)), args.eval_samples
     greedy = dict(n=1, temperature=0.0, top_p=1.0, seed=0, step=0)  # one answer per prompt, the same every time
-    g_text, g_score = sample_and_score(llm, shard, idx, **greedy, max_tokens=args.max_response_len,
-                                       workers=args.reward_workers)
-    _, s_score = sample_and_score(llm, shard, idx, n=k, temperature=args.temperature, top_p=args.top_p,
-                                  max_tokens=args.max_response_len, seed=args.seed + 1, step=step,
-                                  workers=args.reward_workers)
+    g_text, g_score = evaluation_samples(llm, shard, idx, **greedy, max_tokens=args.max_response_len,
+                                         workers=args.reward_workers)
+    _, s_score = evaluation_samples(llm, shard, idx, n=k, temperature=args.temperature, top_p=args.top_p,
+                                    max_tokens=args.max_response_len, seed=args.seed + 1, step=step,
+                                    workers=args.reward_workers)
     t = all_reduce([sum(x[0] for x in g_score), sum(map(sum, s_score)), len(shard), k * len(shard)])
     samples = [{"id": r["id"], "answer": r.get("answer"), "greedy": txt[0], "score": sc[0]}
                for r, txt, sc in zip(shard, g_text, g_score)]
@@ -1391,16 +1114,12 @@ def evaluate(llm, rows: list[dict], args, rank: int, world: int, step: int, out_
 def main(argv: list[str] | None = None) -> None:
     args, world, ds_config, checkpoints = checked_launch(argv)
     out_dir = Path(args.output_dir)
-    rank, local_rank = init_distributed(out_dir, checkpoints, world)
+    rank, local_rank = init_distributed(out_dir, checkpoints, world, all_gather_objects)
     note_ranks(out_dir, rank, all_gather_objects)  # a rank that dies without a word is named by the others
     import torch.distributed as dist
     from tqdm import tqdm
 
-    done = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] if checkpoints else 0
-    if done >= args.steps:  # a finished run: say so without starting any engine
-        if rank == 0:
-            print(f"[grpo] {out_dir} already holds all {args.steps} steps ({checkpoints[0].name}): nothing to do "
-                  "(raise --steps to train on, or pick another --output-dir)", flush=True)
+    if finished(checkpoints, args.steps, out_dir, rank):  # said without starting any engine
         dist.destroy_process_group()  # no engine holds it: left to the interpreter's exit, gloo can abort there
         return
     cuda = torch.cuda.is_available()
@@ -1413,12 +1132,8 @@ def main(argv: list[str] | None = None) -> None:
     engine, ref_engine, llm = build_engines(args, model_path, ds_config, rank, local_rank)
     set_rng_state(seeded)  # vLLM's worker reseeded Python, NumPy and torch (gpu_worker.py: set_random_seed)
     start, order, bad_streak, resumed = resume(engine, llm, checkpoints, out_dir, rank)
-    try:  # checked at the launch, unless resume fell back to an older checkpoint
-        recorded = recorded_sizes(resumed, args, world) if resumed else {}
-    except ValueError as e:
-        sys.exit(f"train_grpo.py: error: {e}")
     here = device_record(cuda, local_rank, args.vllm_gpu_memory)
-    cap = apply_recorded_sizes(args, recorded, here, resumed, rank)
+    batching, cap = resumed_batching(args, tokenizer, resumed, world, here, rank)
     if rank == 0:
         print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
               f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}, policy loss {args.policy_loss} ("
@@ -1426,7 +1141,7 @@ def main(argv: list[str] | None = None) -> None:
     log, close_loggers = open_loggers(args, out_dir, rank, start)
     model_flops, peak = model_flops_fn(engine, args.peak_tflops)
     if eval_rows and start == 0:
-        ev = evaluate(llm, eval_rows, args, rank, world, 0, out_dir)
+        ev = evaluate_held_out(llm, eval_rows, args, rank, world, 0, out_dir)
         log(0, ev)
         if rank == 0:
             print("[grpo] step 0 eval: " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()), flush=True)
@@ -1438,12 +1153,12 @@ def main(argv: list[str] | None = None) -> None:
         LAUNCH["step"] = step  # a rank that dies is named with it
         timer, rstats = {}, {}
         # 1-2. rollout and reward: this rank's share of the step's prompts, G scored responses each
-        rollouts, order, sampling = sample_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
-                                                lambda text: bar.set_postfix_str(text, refresh=True))
+        rollouts, order, sampling = rollout_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
+                                                 lambda text: bar.set_postfix_str(text, refresh=True))
         rstats["generated"] = sum(r["length"] for r in rollouts)  # this rank's, before some move to another
         rollouts, balance = balance_ranks(rollouts, args.group_size, args.minibatches, rank, world, all_gather_objects)
-        if cuda and (budget := memory_to_update(llm, engine, args, rank, cap)) is not None:
-            args.micro_batch_tokens = budget  # --micro-batch-tokens, measured: recorded with the checkpoints
+        if cuda and (budget := memory_to_update(llm, engine, args, batching, rank, cap)) is not None:
+            batching.micro_batch_tokens = budget  # --micro-batch-tokens, measured: recorded with the checkpoints
 
         # 3. advantages within each group
         adv = advantages(torch.tensor([r["reward"] for r in rollouts], dtype=torch.float64), args)
@@ -1452,16 +1167,11 @@ def main(argv: list[str] | None = None) -> None:
 
         # 4-6. aggregation weights once per rollout batch; per-token policy loss; ZeRO-3 update per mini-batch
         lr = engine.get_lr()[0]  # of this step's first update
-        sums = update(engine, ref_engine, rollouts, adv, args, device, world, timer)
+        sums = update(engine, ref_engine, rollouts, adv, args, batching, device, world, timer)
         memory = gpu_memory() if cuda else None
         metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory, all_reduce),
                    "lr": lr, **sampling, **balance}
-        if nonfinite := nonfinite_weights(engine):  # nothing of it is synced, evaluated or saved
-            log(step, {**metrics, "train/nonfinite_weights": nonfinite})
-            close_loggers()
-            dist.barrier()
-            sys.exit(f"train_grpo.py: error: step {step}'s update made {nonfinite} weights non-finite (not saved); "
-                     f"{resume_point(out_dir, world)}" if rank == 0 else 1)
+        stop_on_nonfinite_weights(engine, step, metrics, log, close_loggers, out_dir, world, rank, all_reduce)
 
         # 7. weight sync
         t0 = time.time()
@@ -1469,23 +1179,15 @@ def main(argv: list[str] | None = None) -> None:
         timer["sync"] = metrics["time/sync"] = time.time() - t0
 
         if eval_rows and (step % args.eval_interval == 0 or step == args.steps):
-            metrics.update(evaluate(llm, eval_rows, args, rank, world, step, out_dir))
+            metrics.update(evaluate_held_out(llm, eval_rows, args, rank, world, step, out_dir))
         log(step, metrics)
         bar.set_postfix(acc=f"{metrics['reward/accuracy']:.3f}", pg=f"{metrics['loss/pg']:+.4f}",
                         len=f"{metrics['length/mean']:.0f}", refresh=False)
         bad_streak = bad_streak + 1 if metrics["train/skipped_updates"] else 0
-        stop = bad_streak >= args.max_bad_steps
-        if step % args.save_interval == 0 or step == args.steps or stop:
-            state = {"step": step, "order": order, "bad_streak": bad_streak, "run": run_identity(vars(args)),
-                     "sizes": {**here, **{k: getattr(args, k) for k in flags_with("size")}}}
-            save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
-            if rank == 0:  # the arguments that trained these checkpoints
-                (out_dir / "args.json.tmp").write_text(json.dumps(vars(args), indent=1))
-                os.replace(out_dir / "args.json.tmp", out_dir / "args.json")  # a kill mid-write leaves the old one
-        if stop:
-            dist.barrier()
-            sys.exit(f"train_grpo.py: error: {bad_streak} steps in a row had a non-finite loss or gradient "
-                     f"(updates skipped, weights unchanged); stopped with a checkpoint at step {step}")
+        if step % args.save_interval == 0 or step == args.steps or bad_streak >= args.max_bad_steps:
+            sizes = {**here, **{k: getattr(batching, k) for k in flags_with("size")}}
+            save_step(engine, tokenizer, out_dir, step, order, bad_streak, args, sizes, rank)
+        stop_after_bad_steps(bad_streak, args.max_bad_steps, step)
 
     if rank == 0:
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}

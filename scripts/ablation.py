@@ -71,13 +71,11 @@ def rule_args(model: str, agg: str, extra: list[str] | None = None) -> argparse.
 def finished(run: Path) -> bool:
     """The run's last checkpoint is its final step; a damaged args.json is named in one line (ValueError), not
     taken for a run to train again."""
-    from grpo_run import read_args_json
+    from grpo_run import checkpoint_dirs, read_args_json
 
-    try:
-        steps = (read_args_json(run) or {})["steps"]
-        return (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps:06d}"
-    except (OSError, KeyError, TypeError):
-        return False
+    steps = (read_args_json(run) or {}).get("steps")
+    return [c.name for c in checkpoint_dirs(run / "checkpoints")][-1:] == [f"step_{steps:06d}"] \
+        if isinstance(steps, int) else False
 
 
 def parser() -> argparse.ArgumentParser:

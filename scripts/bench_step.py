@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+import grpo_run
 import train_grpo as T
 from grpo_run import check_finite, is_hub_id, micro_batch_bytes, model_dir_problem, token_budget
 
@@ -392,7 +393,7 @@ def bare_update(engine, batch: list[dict], micro: int, pad_id: int, device) -> N
     order = sorted(range(len(batch)), key=lambda i: len(batch[i]["tokens"]))
     for start in range(0, len(order), micro):
         mb = [batch[i] for i in order[start : start + micro]]
-        ids, resp, inputs = T.pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], pad_id, device)
+        ids, resp, inputs = grpo_run.pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], pad_id, device)
         labels = torch.where(resp, ids, -100)
         loss = engine(input_ids=ids, **inputs, labels=labels, use_cache=False).loss
         engine.backward(loss)
@@ -400,12 +401,12 @@ def bare_update(engine, batch: list[dict], micro: int, pad_id: int, device) -> N
 
 
 def padding_share(batch: list[dict], max_rows: int | None, max_tokens: int = 0, padded: bool = True) -> float:
-    """The share of pad tokens in the update's micro-batches (T.micro_batches; padded: rows x the longest each;
+    """The share of pad tokens in the update's micro-batches (grpo_run.micro_batches; padded: rows x the longest each;
     packed rows carry none)."""
     if not padded:
         return 0.0
     lens = [len(r["tokens"]) for r in batch]
-    parts = T.micro_batches(lens, max_rows, max_tokens, packed=False)
+    parts = grpo_run.micro_batches(lens, max_rows, max_tokens, packed=False)
     return 1 - sum(lens) / sum(len(b) * lens[b[-1]] for b in parts)
 
 
@@ -473,7 +474,7 @@ def update_benchmark(args) -> None:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     if not cuda:
-        T.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
+        grpo_run.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
     rank, device = dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=max(4096, args.prompt_len + args.response_len),
                          rope_theta=1e6, rms_norm_eps=1e-6)
@@ -497,7 +498,7 @@ def update_benchmark(args) -> None:
     torch.manual_seed(0)
     args.padded, args.deterministic = False, False
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32,
-                                             attn_implementation=T.attention_implementation(args))
+                                             attn_implementation=grpo_run.attention_implementation(args))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -527,13 +528,13 @@ def update_benchmark(args) -> None:
     modes = {}
     for mode in ("packed", "padded"):  # the same engine, responses and budget rule; only the rows differ
         args.padded = mode == "padded"
-        memory = T.trainer_memory(engine, args, max(lens), T.attention_kind(args, cuda))
+        memory = T.trainer_memory(engine, args, max(lens), grpo_run.attention_kind(args, cuda))
         held = torch.cuda.memory_allocated() if cuda else 0  # the ZeRO-3 states held now
         to_come = T.states_to_come(engine, memory)  # Adam's moments, before the first step (the first mode's)
         if budget_given is None:  # CUDA: as the trainer sizes it at its first update
             args.micro_batch_tokens = token_budget(memory, torch.cuda.mem_get_info()[0], max(lens), to_come)
         parts = T.rank_micro_batches(rollouts, args.micro_batch_size, args.micro_batch_tokens, not args.padded)
-        t_update = timed(lambda: T.update_minibatch(engine, rollouts, w, args, device))
+        t_update = timed(lambda: T.update_minibatch(engine, rollouts, w, args, args, device))
         largest = max(sum(lens[i] for i in b) if not args.padded else len(b) * lens[b[-1]] for b in parts)
         tot = T.all_reduce([sum(lens) / t_update, flops / t_update])
         slowest = T.all_reduce([t_update, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
@@ -553,7 +554,7 @@ def update_benchmark(args) -> None:
     forward = {}
     for batch in dict.fromkeys([args.micro_batch_size, args.logprob_batch_size]):
         fwd_args = argparse.Namespace(**{**vars(args), "logprob_batch_size": batch})
-        fill = lambda a=fwd_args: T.fill_logprobs(engine, rollouts, "old_logp", a, device)  # noqa: E731
+        fill = lambda a=fwd_args: T.fill_logprobs(engine, rollouts, "old_logp", a, a, device)  # noqa: E731
         seconds = timed(fill)
         with count_gathers() as gathered:
             fill()
@@ -621,7 +622,7 @@ def main() -> None:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     if not cuda:  # as the trainer does
-        T.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+        grpo_run.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     from data.demo import model_dir
@@ -630,7 +631,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model_path)
     args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     args.prompts_per_step = args.prompts_per_rank * world
-    rows_all, _ = T.load_prompts(args.dataset, tok, args)
+    rows_all, _ = grpo_run.load_prompts(args.dataset, tok, args)
     rows = rows_all[rank * args.prompts_per_rank : (rank + 1) * args.prompts_per_rank]
     cfg = T.deepspeed_config(args, world)
     dschf = HfDeepSpeedConfig(cfg)  # noqa: F841
@@ -671,10 +672,10 @@ def main() -> None:
     lengths = torch.tensor([r["length"] for r in rollouts])
     w = T.aggregation_weights(adv, lengths, args.group_size, args.agg, max_len=args.max_response_len)
     engine.train()
-    T.update_minibatch(engine, rollouts, w, args, device)  # warm-up: optimizer state, traces
+    T.update_minibatch(engine, rollouts, w, args, args, device)  # warm-up: optimizer state, traces
     bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device)
     t_update, t_bare_update = best_of_pair(
-        args.repeats, lambda: T.update_minibatch(engine, rollouts, w, args, device),
+        args.repeats, lambda: T.update_minibatch(engine, rollouts, w, args, args, device),
         lambda: bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device))
     # the trainer's perf/ metrics: model FLOPs (6 N per token + attention), MFU on CUDA
     model_flops, peak = T.model_flops_fn(engine, args.peak_tflops)

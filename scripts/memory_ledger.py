@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import grpo_run  # noqa: E402
 import train_grpo as T  # noqa: E402
 from grpo_run import memory_model, micro_batch_bytes, resident_bytes  # noqa: E402
 from scripts.bench_step import synthetic_rollouts  # noqa: E402
@@ -222,7 +223,7 @@ def run_step(ledger: Ledger, engine, args, rollouts: list[dict], adv: torch.Tens
     parts = T.rank_micro_batches(rollouts[: len(rollouts) // args.minibatches], args.micro_batch_size,
                                  args.micro_batch_tokens, True)
     try:
-        T.update(engine, None, rollouts, adv, args, torch.device("cpu"), 1, {})
+        T.update(engine, None, rollouts, adv, args, grpo_run.micro_batching(args), torch.device("cpu"), 1, {})
     finally:
         T.fill_logprobs = fill
         del engine.step
@@ -248,7 +249,7 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
 
     from data.demo import model_dir
 
-    rank, _ = T.init_distributed(work, [], 1)
+    rank, _ = grpo_run.init_distributed(work, [], 1, T.all_gather_objects)
     longest = a.prompt_len + a.response_len
     if not resume:
         random_model(a.shape, work / "model", longest)
@@ -257,7 +258,6 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
                          "--logprob-chunk", str(a.logprob_chunk), "--gradient-checkpointing", "--lr", "1e-5",
                          "--lr-warmup-steps", "0", "--micro-batch-tokens", str(a.micro_batch_tokens),
                          "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len)])
-    args.pad_id = 0
     ledger, resident, tokens = Ledger(), {}, {}
     with ledger:
         engine = build(ledger, args, work, T.deepspeed_config(args, 1, bf16=True))
@@ -274,7 +274,7 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
             resident[f"after {name}"] = ledger.snapshot()
             if step == 1:
                 ledger.phase = "save"
-                T.save_checkpoint(engine, AutoTokenizer.from_pretrained(model_dir("demo")),
+                grpo_run.save_checkpoint(engine, AutoTokenizer.from_pretrained(model_dir("demo")),
                                   work / "run" / "checkpoints", 1, {"step": 1, "order": [], "bad_streak": 0}, rank,
                                   keep_last=2)
     config = engine.module.config

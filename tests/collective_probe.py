@@ -113,7 +113,7 @@ def record_engines() -> None:
 
     train_grpo.make_vllm = make_and_record
     train_grpo.build_engines, train_grpo.resume = build_and_record, record_and_resume
-    train_grpo.load_data = load_and_draw
+    train_grpo.load_data = load_and_draw  # main's name for grpo_run's
 
 
 if __name__ == "__main__":

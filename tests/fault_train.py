@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpo_run  # noqa: E402
 import train_grpo as T  # noqa: E402
 
 NAN_STEP = int(os.environ.get("GRPO_FAULT_NAN_STEP", "-1"))
@@ -41,12 +42,12 @@ def advantages(*a, **kw):
     return adv * float("nan") if current["step"] == NAN_STEP else adv
 
 
-def update_minibatch(engine, batch, weights, args, device):
+def update_minibatch(engine, batch, weights, args, *rest):
     if 0 <= INF_LR_STEP <= current["step"] and not current.get("poisoned"):
         current["poisoned"] = True
         for group in engine.optimizer.param_groups:  # the schedule sets it back after this update
             group["lr"] = float("inf")
-    return real_update(engine, batch, weights, args, device)
+    return real_update(engine, batch, weights, args, *rest)
 
 
 def save_checkpoint(engine, tokenizer, root, step, *rest):
@@ -78,11 +79,11 @@ def sync_weights_to_vllm(engine, llm):
     llm.apply_model(functools.partial(_scale_final_norm, scale=SCALE))
 
 
-real_rollout, real_advantages, real_save, real_sync = T.rollout, T.advantages, T.save_checkpoint, \
+real_rollout, real_advantages, real_save, real_sync = T.rollout, T.advantages, grpo_run.save_checkpoint, \
     T.sync_weights_to_vllm
 real_update = T.update_minibatch
-T.rollout, T.advantages, T.save_checkpoint, T.update_minibatch = rollout, advantages, save_checkpoint, \
-    update_minibatch
+T.rollout, T.advantages, T.update_minibatch = rollout, advantages, update_minibatch
+grpo_run.save_checkpoint = save_checkpoint  # what the trainer's save_step calls
 if SCALE != 1:
     T.sync_weights_to_vllm = sync_weights_to_vllm
 

@@ -97,7 +97,7 @@ def main() -> None:
         [(c, False, TOKENS, False, False) for c in TOKEN_CASES] + [(c, False, 0, True, False) for c in CASES] + \
         [(c, False, 0, False, deal) for c in DEALT_CASES for deal in ("sampled", "dealt")]
     for (agg, loss_name, rounds), offload, tokens, padded, dealt in runs:
-        attention = train_grpo.attention_implementation(argparse.Namespace(padded=padded, deterministic=False))
+        attention = grpo_run.attention_implementation(argparse.Namespace(padded=padded, deterministic=False))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
         G = 4
         if rounds:
@@ -133,6 +133,7 @@ def main() -> None:
         engine._backward_prologue = lambda: prologues.append(1) or real_prologue()
         eps = {"gspo": (0.05, 0.05), "cispo": (1.0, 0.5)}.get(loss_name, (0.2, 0.28))
         args = argparse.Namespace(
+            # the micro-batches' sizes and rows (grpo_run.micro_batching's) in the arguments here
             micro_batch_size=None if tokens else micro, logprob_batch_size=None if tokens else 4 * micro,
             micro_batch_tokens=tokens, pad_id=0, temperature=1.0, logprob_chunk=7, padded=padded, deterministic=False,
             policy_loss=loss_name,
@@ -141,14 +142,14 @@ def main() -> None:
             minibatches=1, max_response_len=17,
         )
         if loss_name != "ppo":  # ratios near 1 (the policy's own log-probs, perturbed): some clipped, some not
-            train_grpo.fill_logprobs(engine, local, "old_logp", args, torch.device("cpu"))
+            train_grpo.fill_logprobs(engine, local, "old_logp", args, args, torch.device("cpu"))
             for r in local:  # the same noise for a response on any rank
                 g = torch.Generator().manual_seed(hash(tuple(r["tokens"])) % 2**31)
                 r["old_logp"] = r["old_logp"] + 0.3 * torch.randn(r["length"], generator=g)
         probe = [dict(r) for r in local]  # the per-token log-probs before the update (rank 0's share is saved)
-        train_grpo.fill_logprobs(engine, probe, "logp", args, torch.device("cpu"))
+        train_grpo.fill_logprobs(engine, probe, "logp", args, args, torch.device("cpu"))
         w = train_grpo.loss_weights(adv, local, args)  # the trainer's: a mean over this rank's groups
-        sums = train_grpo.update_minibatch(engine, local, w, args, torch.device("cpu"))
+        sums = train_grpo.update_minibatch(engine, local, w, args, args, torch.device("cpu"))
         loss = torch.tensor([sums["pg_loss"]], dtype=torch.float64)
         dist.all_reduce(loss)
         loss /= world  # each rank's loss is the mean over its own groups
@@ -159,7 +160,7 @@ def main() -> None:
         key = case_name(agg, loss_name, rounds) + ("-offload" if offload else "-tokens" if tokens else
                                                    "-padded" if padded else f"-{dealt}" if dealt else "")
         parts = train_grpo.rank_micro_batches(local, args.micro_batch_size, tokens, not padded)
-        own = train_grpo.micro_batches([len(r["tokens"]) for r in local], None, tokens, packed=not padded)
+        own = grpo_run.micro_batches([len(r["tokens"]) for r in local], None, tokens, packed=not padded)
         results[key] = {"delta": delta, "loss": loss.item(), "prologues": len(prologues),
                         "logp": torch.cat([r["logp"] for r in probe]), "padded": padded,
                         "micro_steps": len(parts) if tokens else math.ceil(len(local) / micro),

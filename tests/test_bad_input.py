@@ -197,8 +197,8 @@ def test_dynamic_sampling_shows_its_rounds(monkeypatch):
     monkeypatch.setattr(train_grpo, "all_gather_objects", lambda obj: [obj])
     monkeypatch.setattr(train_grpo, "all_reduce", lambda values, op="sum": torch.tensor(values))
     shown = []
-    rollouts, _, sampling = train_grpo.sample_step(None, [{"id": i} for i in range(8)], [], args, 1, 0, 1, {}, {},
-                                                   shown.append)
+    rollouts, _, sampling = train_grpo.rollout_step(None, [{"id": i} for i in range(8)], [], args, 1, 0, 1, {}, {},
+                                                    shown.append)
     assert sampling["sample/rounds"] == 4 and len(rollouts) == 4
     assert shown == [f"sampling round {k}/4, 0/2 groups kept" for k in (2, 3, 4)]
 
@@ -390,7 +390,7 @@ def checkpointed_run(root, steps: int = 3, world: int = 1):
     (root / "args.json").parent.mkdir(parents=True, exist_ok=True)
     (root / "args.json").write_text(json.dumps(vars(args)))
     (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, steps + 1)))
-    identity = train_grpo.run_identity(vars(args))
+    identity = grpo_run.run_identity(vars(args))
     for s in range(1, steps + 1):
         ck = root / "checkpoints" / f"step_{s:06d}" / "state"
         ck.mkdir(parents=True)
@@ -595,7 +595,7 @@ def test_a_run_older_than_code_reward_goes_on_with_the_fraction_it_was_trained_w
 
     # an identity record without the key: the same
     state = run / "checkpoints" / "step_000002" / "trainer_state.json"
-    identity = train_grpo.run_identity(vars(train_grpo.parse_args(["--output-dir", str(run), "--steps", "2"])))
+    identity = grpo_run.run_identity(vars(train_grpo.parse_args(["--output-dir", str(run), "--steps", "2"])))
     del identity["code_reward"]
     state.write_text(json.dumps({**json.loads(state.read_text()), "run": identity}))
     assert check(run)[0].code_reward == "fraction"
@@ -650,7 +650,7 @@ def test_only_the_trainers_own_names_are_checkpoints(tmp_path, demo_dir):
     assert check_output_dir(args, run, 1) == [ckpts / f"step_{s:06d}" for s in (3, 2, 1)]
     assert [c.name for c in grpo_run.checkpoint_dirs(ckpts)] == ["step_000001", "step_000002", "step_000003"]
     assert [s for s, _ in evaluate.run_checkpoints(str(run))] == [0, 1, 2, 3]
-    assert "step_000003 (step 3)" in train_grpo.resume_point(run, 1)
+    assert "step_000003 (step 3)" in grpo_run.resume_point(run, 1)
 
 
 def test_damaged_records_are_named_before_any_engine(tmp_path, capsys):
@@ -1228,9 +1228,10 @@ def test_reproduce_tables_only_names_the_runs_it_lacks_before_any_table(tmp_path
     def trained(argv: list[str], steps: int) -> None:  # each run's last checkpoint its final step
         for run in ablation.planned_runs(ablation.parser().parse_args(argv[: argv.index("--")] if "--" in argv
                                                                       else argv)):
-            (tmp_path / run / "checkpoints").mkdir(parents=True)
+            (tmp_path / run / "checkpoints" / f"step_{steps // 2:06d}").mkdir(parents=True)
             (tmp_path / run / "args.json").write_text(json.dumps({"steps": steps}))
-            (tmp_path / run / "checkpoints" / "latest").write_text(f"step_{steps:06d}")
+            assert not ablation.finished(tmp_path / run)  # its last checkpoint not yet the final step
+            (tmp_path / run / "checkpoints" / f"step_{steps:06d}").mkdir()
 
     trained(trains, 30)
     assert reproduce.untrained("lab-check") == []

@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from grpo_run import balanced_deal
+from grpo_run import balanced_deal, micro_batches, micro_batching
 from scripts.bench_rank_balance import contiguous_loads, grpo_lengths
-from train_grpo import micro_batches
 
 
 def spread(loads: list[int]) -> float:
@@ -69,5 +68,5 @@ def test_no_log_prob_pass_runs_where_nothing_learns(monkeypatch):
     for adv, expected in ((torch.zeros(8, dtype=torch.float64), []),
                           (torch.tensor([1.0, -1.0] * 4, dtype=torch.float64), ["old_logp", "update", "update"])):
         calls.clear()
-        T.update(engine, None, rollouts, adv, args, torch.device("cpu"), 1, {})
+        T.update(engine, None, rollouts, adv, args, micro_batching(args), torch.device("cpu"), 1, {})
         assert calls == expected

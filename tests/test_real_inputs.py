@@ -95,7 +95,7 @@ def test_eval_seeds_are_per_prompt_and_independent_of_the_ranks():
 
     one_rank = seeds(range(0, 12))
     two_ranks = {}
-    for rank in (0, 1):  # rank r holds prompts r, r + 2, ... (train_grpo.evaluate's sharding)
+    for rank in (0, 1):  # rank r holds prompts r, r + 2, ... (train_grpo.evaluate_held_out's sharding)
         two_ranks.update(zip(range(rank, 12, 2), seeds(range(rank, 12, 2))))
     assert len(set(one_rank)) == 12 and one_rank == [two_ranks[i] for i in range(12)]
     seeds = [s + j for s in one_rank for j in range(4)]  # vLLM gives sample j of a request seed + j

@@ -72,3 +72,27 @@ def test_no_script_imports_the_tests():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n == "tests" or n.startswith("tests.") for n in names), f"{path.name} imports {names}"
+
+
+def test_the_trainer_never_changes_its_arguments_after_parsing():
+    # args is what was parsed: outside parse_args no function of the trainer or its plumbing assigns an attribute
+    # of `args`, setattr()s one or updates vars(args). What a run learns (its micro-batch sizes: recorded, or the
+    # budget measured at its first update; the pad token) lives in grpo_run.micro_batching's namespace.
+    import ast
+
+    from conftest import ROOT
+
+    for name in ("train_grpo.py", "grpo_run.py"):
+        for fn in (n for n in ast.walk(ast.parse((ROOT / name).read_text())) if isinstance(n, ast.FunctionDef)):
+            if fn.name == "parse_args":
+                continue
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                targets = [t for x in targets for t in (x.elts if isinstance(x, ast.Tuple) else [x])]
+                changed = any(isinstance(t, ast.Attribute) and ast.unparse(t.value) == "args" for t in targets)
+                if isinstance(node, ast.Call):
+                    call = ast.unparse(node.func)
+                    changed = (call == "setattr" and ast.unparse(node.args[0]) == "args") or \
+                        call == "vars(args).update"
+                assert not changed, f"{name}:{node.lineno} ({fn.name}) changes args after parsing"

@@ -13,7 +13,7 @@ update again, which must reproduce the first time's fp32 master weights: bit for
 from the first time, relative to the update's own change (L2 norms over all ranks' partitions), must be at most
 REDO_TOLERANCE. That criterion is judged on the spot: the same redo from a resume broken on purpose (Adam's
 moments not restored; its step count not restored) must exceed it. Also the collective helpers (all_reduce,
-all_gather_objects) on the backend's device, and which attention the packed update ran (train_grpo.ATTENTION_CALLS,
+all_gather_objects) on the backend's device, and which attention the packed update ran (grpo_run.ATTENTION_CALLS,
 beside attention_kind's: one line). Each rank writes DIR/update_check_rankR.json.
 """
 
@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import grpo_run  # noqa: E402
 import train_grpo as T  # noqa: E402
 from grpo_run import check_args, checkpoint_problem, micro_batch_bytes  # noqa: E402
 from scripts.bench_step import SHAPES, synthetic_rollouts  # noqa: E402
@@ -39,7 +40,7 @@ from scripts.bench_step import SHAPES, synthetic_rollouts  # noqa: E402
 # more (measured on the CPU: see tests/test_gpu_check.py and docs/gpu.md)
 REDO_TOLERANCE = 0.1
 FAULTS = ("moments", "step")  # what a broken resume could fail to restore
-# train_grpo.ATTENTION_CALLS's paths: which attention the packed update ran
+# grpo_run.ATTENTION_CALLS's paths: which attention the packed update ran
 ATTENTION_PATHS = {"flash": "varlen_attn", "math": "scaled_dot_product_attention per sequence, math kernel",
                    "sdpa": "scaled_dot_product_attention per sequence", "sdpa-masked": "SDPA with a padding mask"}
 
@@ -60,7 +61,7 @@ def random_model(shape: str, out: Path, max_len: int) -> None:
     AutoTokenizer.from_pretrained(model_dir("demo")).save_pretrained(out)
 
 
-def update(engine, ref_engine, args, step: int, rank: int, device) -> dict[str, float]:
+def update(engine, ref_engine, args, batching, step: int, rank: int, device) -> dict[str, float]:
     """One rollout batch's update as main() runs it, on synthetic groups: old and reference log-probs,
     aggregation weights, then the mini-batches."""
     n = args.prompts_per_step // int(os.environ["WORLD_SIZE"]) * args.group_size
@@ -70,14 +71,14 @@ def update(engine, ref_engine, args, step: int, rank: int, device) -> dict[str, 
     adv = T.group_advantages(rewards, args.group_size)
     for r, a in zip(rollouts, adv.tolist()):
         r["advantage"] = a
-    T.fill_logprobs(engine, rollouts, "old_logp", args, device)
-    T.fill_logprobs(ref_engine, rollouts, "ref_logp", args, device)
+    T.fill_logprobs(engine, rollouts, "old_logp", args, batching, device)
+    T.fill_logprobs(ref_engine, rollouts, "ref_logp", args, batching, device)
     weights = T.loss_weights(adv, rollouts, args)
     engine.train()
     sums, per_mb = {}, n // args.minibatches
     for mb in range(args.minibatches):
         part = slice(mb * per_mb, (mb + 1) * per_mb)
-        for k, v in T.update_minibatch(engine, rollouts[part], weights[part], args, device).items():
+        for k, v in T.update_minibatch(engine, rollouts[part], weights[part], args, batching, device).items():
             sums[k] = sums.get(k, 0.0) + v
     return sums
 
@@ -119,10 +120,10 @@ def main() -> None:
     p.add_argument("--local_rank", type=int, default=-1)
     a = p.parse_args()
     if a.deterministic:
-        T.make_deterministic()
+        grpo_run.make_deterministic()
     out, world = Path(a.out), int(os.environ.get("WORLD_SIZE", "1"))
     out.mkdir(parents=True, exist_ok=True)
-    rank, local_rank = T.init_distributed(out, [], world)
+    rank, local_rank = grpo_run.init_distributed(out, [], world, T.all_gather_objects)
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -139,13 +140,13 @@ def main() -> None:
                         + (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens is not None
                            else []))
     check_args(args, world, T.POLICY_LOSS_DEFAULTS[args.policy_loss], T.OFFLINE_DEFAULTS)
-    args.pad_id = 0
+    batching = grpo_run.micro_batching(args)  # pad id 0
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     engine, ref_engine = T.build_trainer(args, str(model_dir), T.deepspeed_config(args, world))
     memory = None
-    if args.micro_batch_tokens is None:  # CUDA: as the trainer sizes it at its first update
-        args.micro_batch_tokens, memory = T.measured_budget(engine, args, a.prompt_len + a.response_len)
+    if batching.micro_batch_tokens is None:  # CUDA: as the trainer sizes it at its first update
+        batching.micro_batch_tokens, memory = grpo_run.measured_budget(engine, args, a.prompt_len + a.response_len)
     held = torch.cuda.memory_allocated() if cuda else 0
     # what the optimizer has yet to make (Adam's moments, at its first step): part of the peak from then on
     to_come = T.states_to_come(engine, memory) if memory is not None else 0.0
@@ -156,24 +157,24 @@ def main() -> None:
               "bf16": engine.bfloat16_enabled(), "optimizer": type(optimizer).__name__,
               "fused": optimizer.defaults.get("fused"), "zero_stage": engine.zero_optimization_stage(),
               "checkpointing": engine.module.is_gradient_checkpointing, "deterministic": a.deterministic,
-              "micro_batch_tokens": args.micro_batch_tokens,
+              "micro_batch_tokens": batching.micro_batch_tokens,
               "collective_device": str(T.collective_device()),
               "all_reduce": [T.all_reduce([rank, 1.0]).tolist(), T.all_reduce([rank], "max").tolist()],
               "all_gather_objects": T.all_gather_objects({"rank": rank})}
 
     t0 = time.time()
-    first = update(engine, ref_engine, args, 1, rank, device)
+    first = update(engine, ref_engine, args, batching, 1, rank, device)
     result["step_s"] = time.time() - t0
     root = out / "run" / "checkpoints"
-    T.save_checkpoint(engine, tokenizer, root, 1, {"step": 1, "order": [], "bad_streak": 0}, rank, keep_last=2)
+    grpo_run.save_checkpoint(engine, tokenizer, root, 1, {"step": 1, "order": [], "bad_streak": 0}, rank, keep_last=2)
     saved = master_weights(engine)
-    straight = update(engine, ref_engine, args, 2, rank, device)
+    straight = update(engine, ref_engine, args, batching, 2, rank, device)
     after = master_weights(engine)
 
     result["checkpoint_problem"] = checkpoint_problem(root / "step_000001", world)
     result["resumed_step"] = T.load_training_state(engine, root / "step_000001", rank)["step"]
     loaded = master_weights(engine)
-    again = update(engine, ref_engine, args, 2, rank, device)
+    again = update(engine, ref_engine, args, batching, 2, rank, device)
     redone = master_weights(engine)
     change = max((b - s).abs().max().item() for s, b in zip(saved, after))
     result.update(
@@ -184,16 +185,16 @@ def main() -> None:
     for fault in FAULTS:  # the same redo from a resume broken on purpose: the criterion must catch it
         T.load_training_state(engine, root / "step_000001", rank)
         break_resume(engine, fault)
-        update(engine, ref_engine, args, 2, rank, device)
+        update(engine, ref_engine, args, batching, 2, rank, device)
         result["faults"][fault] = relative_distance(master_weights(engine), after, saved)
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     # the attention each packed_attention call ran, beside the one attention_kind reports (the memory model's)
-    result["attention"], result["attention_kind"] = dict(T.ATTENTION_CALLS), T.attention_kind(args, cuda)
+    result["attention"], result["attention_kind"] = dict(grpo_run.ATTENTION_CALLS), grpo_run.attention_kind(args, cuda)
     result["micro_batches"] = first["micro_batches"] / args.minibatches
     if memory is not None:  # the memory model's bound: the states held and to come (Adam's moments), its fixed bytes
         # and the gradients in flight, a largest micro-batch
         per_minibatch = args.prompts_per_step // world * args.group_size // args.minibatches
-        largest = min(args.micro_batch_tokens, per_minibatch * (a.prompt_len + a.response_len))
+        largest = min(batching.micro_batch_tokens, per_minibatch * (a.prompt_len + a.response_len))
         result["predicted_peak_gib"] = (held + to_come + micro_batch_bytes(memory, largest)) / 2**30
     (out / f"update_check_rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
