@@ -28,7 +28,7 @@ import tempfile
 import time
 import zipfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -143,7 +143,9 @@ def check_args(args: argparse.Namespace, world: int, loss_params: dict, offline_
               "rollout_correction_cap": (args.rollout_correction_cap > 1, "> 1"),
               "overlong_buffer": (args.overlong_buffer <= args.max_response_len, "at most --max-response-len"),
               "peak_tflops": (args.peak_tflops is None or args.peak_tflops > 0, "> 0"),
-              "seed": (0 <= args.seed <= SEED_MAX, f"in [0, {SEED_MAX}] (vLLM's range)")}
+              "seed": (0 <= args.seed <= SEED_MAX, f"in [0, {SEED_MAX}] (vLLM's range)"),
+              "lora_rank": (args.lora_rank >= 0, ">= 0 (0: full fine-tuning)"),
+              "lora_alpha": (args.lora_alpha > 0, "> 0")}
     for k, (ok, rule) in ranges.items():
         if not ok:
             raise ValueError(f"{flag(k)} must be {rule} (got {getattr(args, k)})")
@@ -156,7 +158,8 @@ def check_args(args: argparse.Namespace, world: int, loss_params: dict, offline_
               "kl_coef": (0, 1e4, "it scales float32 per-token terms"),
               "overlong_penalty": (0, 1e4, "the 0/1 scores must not vanish next to it in the reward"),
               "temperature": (0.01, 100, "vLLM samples at 0.01 below it, and uniformly long before 100"),
-              "peak_tflops": (0, 1e6, "TFLOP/s of one device")}
+              "peak_tflops": (0, 1e6, "TFLOP/s of one device"),
+              "lora_alpha": (1e-3, 1e4, "alpha / R scales the adapters' update, in the weights' dtype")}
     for k, (lo, hi, why) in bounds.items():
         v = getattr(args, k)
         if v is not None and not lo <= v <= hi:
@@ -490,19 +493,21 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dict, rank: int, keep_last: int) -> None:
+def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dict, rank: int, keep_last: int,
+                    weights: Iterable) -> None:
     """Full training state and a Hugging Face export in root/step_N, atomically.
 
     Everything goes to step_N.tmp first: every rank's ZeRO-3 model/optimizer/scheduler shards
     and RNG states (state/), the step and data position (trainer_state.json), and the HF
-    export (config, safetensors, tokenizer), gathered one parameter at a time. Only then does
+    export (config, safetensors, tokenizer) of `weights`, the (name, tensor) pairs of the policy
+    gathered one at a time (train_grpo.policy_weights: under LoRA the merged weights, which load in
+    plain transformers and vLLM). Only then does
     rank 0 rename it to step_N and point `latest` at it, so a kill at any moment leaves
     `latest` on a complete checkpoint. Full states beyond the last `keep_last` are deleted;
     the HF exports stay, for evaluating every checkpoint of a run.
     """
     import shutil
 
-    import deepspeed
     import torch.distributed as dist
 
     final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
@@ -513,13 +518,13 @@ def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dic
         dist.barrier()
         engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
         torch.save(rng_state(), tmp / "state" / f"rng_rank{rank}.pt")
-        weights = {}
-        for name, param in engine.module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param]):
-                if rank == 0:
-                    weights[name] = param.data.detach().cpu().clone()
+        exported = {}
+        for name, tensor in weights:  # every rank walks them: each is a gather
+            if rank == 0:
+                exported[name] = tensor.detach().cpu().clone()
         if rank == 0:
-            engine.module.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+            model = engine.module.get_base_model() if hasattr(engine.module, "get_base_model") else engine.module
+            model.save_pretrained(tmp, state_dict=exported, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "unexpected pos N vs M"
@@ -653,12 +658,12 @@ def finished(checkpoints: list[Path], steps: int, out_dir: Path, rank: int) -> b
 
 
 def save_step(engine, tokenizer, out_dir: Path, step: int, order: list[int], bad_streak: int, args,
-              sizes: dict, rank: int) -> None:
+              sizes: dict, rank: int, weights: Iterable) -> None:
     """A checkpoint of `step` (save_checkpoint: the full state and the HF export) recording the data order left,
     the bad-step streak, the run's identity and the micro-batch sizes and device it was cut for (`sizes`); then
     args.json, the arguments that trained it, replaced whole (a kill mid-write leaves the old one)."""
     state = {"step": step, "order": order, "bad_streak": bad_streak, "run": run_identity(vars(args)), "sizes": sizes}
-    save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last)
+    save_checkpoint(engine, tokenizer, out_dir / "checkpoints", step, state, rank, args.keep_last, weights)
     if rank == 0:
         (out_dir / "args.json.tmp").write_text(json.dumps(vars(args), indent=1))
         os.replace(out_dir / "args.json.tmp", out_dir / "args.json")
@@ -1116,7 +1121,8 @@ def micro_batches(seq_lens: list[int], max_rows: int | None, max_tokens: int = 0
 
 
 def memory_model(config, checkpointing: bool, chunk: int, attention: str, longest: int,
-                 live_params: float = 1e9, world: int = 1, reduce_bucket: float = 5e8) -> dict[str, float]:
+                 live_params: float = 1e9, world: int = 1, reduce_bucket: float = 5e8, lora_rank: int = 0
+                 ) -> dict[str, float]:
     """Bytes a rank holds at the peak of a micro-batch's forward and backward on CUDA (bf16, fp32 norms), as
     'per_token' (times the micro-batch's tokens) and 'fixed', with the terms they sum; `attention`: the kernel
     the update runs (attention_kind). Per token:
@@ -1149,7 +1155,12 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
     step's own, when the micro-batches' are gone: the fp32 gradients it clips and the bf16 copy of the updated
     master weights ('step', at most 6 P / world; measured 4.0-5.6). A resume reads the checkpoint's fp32 master
     weights and moments (12 P / world) before it copies them in: host memory on CUDA, where DeepSpeed maps the
-    files to the CPU ('checkpoint read')."""
+    files to the CPU ('checkpoint read').
+    LoRA (`lora_rank` R > 0, adapters on the decoder's 7 linear layers): only the adapters' P_A = R x (in + out)
+    parameters a layer are trained, so the master weights, gradients, moments, the gradients in flight, the step's
+    transients and the checkpoint read count P_A where P stands above; the bf16 partitions hold both; each adapted
+    layer keeps its A x (R bf16 values a token) for B's gradient; a resume also reads the frozen base's bf16
+    values (ZeRO-3 saves frozen parameters' fragments with the module's states: 2 P / world)."""
     h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // heads
@@ -1166,16 +1177,23 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
         per_token["repeated keys and values"] = 4 * q * held
     if attention == "sdpa-masked":
         per_token["padding mask"] = longest
+    if lora_rank:
+        per_token["LoRA's A x"] = 2 * lora_rank * 7 * held
     embeddings = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
     params = embeddings + layers * (h * q + 2 * h * kv + q + 2 * kv + q * h + 3 * h * i + 2 * h) + h
+    adapters = layers * lora_rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+    trained = adapters if lora_rank else params
     fixed = {"log-prob chunk": 16 * chunk * vocab, "embedding and lm_head": 4 * embeddings,
-             "live parameters": 2 * min(live_params, params)}
-    shard = math.ceil(params / world)
-    resident = {"parameter partitions": 2 * shard, "master weights": 4 * shard, "gradient partitions": 4 * shard,
-                "optimizer states": 8 * shard, "reduce bucket": 4 * reduce_bucket}
+             "live parameters": 2 * min(live_params, params + adapters)}
+    shard, trained_shard = math.ceil((params + adapters) / world), math.ceil(trained / world)
+    frozen_shard = math.ceil(params / world) if lora_rank else 0
+    resident = {"parameter partitions": 2 * shard, "master weights": 4 * trained_shard,
+                "gradient partitions": 4 * trained_shard, "optimizer states": 8 * trained_shard,
+                "reduce bucket": 4 * reduce_bucket}
     return {**per_token, **fixed, **resident, "per_token": sum(per_token.values()), "fixed": sum(fixed.values()),
-            "params": params, "resident": sum(resident.values()), "first step": resident["optimizer states"],
-            "gradients in flight": 8 * min(params, reduce_bucket), "step": 6 * shard, "checkpoint read": 12 * shard}
+            "params": params + adapters, "trained": trained, "resident": sum(resident.values()),
+            "first step": resident["optimizer states"], "gradients in flight": 8 * min(trained, reduce_bucket),
+            "step": 6 * trained_shard, "checkpoint read": 12 * trained_shard + 2 * frozen_shard}
 
 
 MEMORY_SHARE = 0.9  # of the free memory: the caching allocator's fragmentation and what the model leaves out
@@ -1209,7 +1227,8 @@ def trainer_memory(engine, args, longest: int, attention: str) -> dict[str, floa
     """memory_model of this engine's model, attention kernel (attention_kind) and ZeRO-3 settings (CUDA's
     bf16 path), its states partitioned over the engine's ranks."""
     return memory_model(engine.module.config, engine.module.is_gradient_checkpointing, args.logprob_chunk, attention,
-                        longest, engine.zero_max_live_parameters(), engine.world_size, engine.zero_reduce_bucket_size())
+                        longest, engine.zero_max_live_parameters(), engine.world_size, engine.zero_reduce_bucket_size(),
+                        getattr(args, "lora_rank", 0))
 
 
 def device_fit(args, model_path: str, ds_config: dict, world: int, local_rank: int, attention: str) -> str | None:
@@ -1223,7 +1242,7 @@ def device_fit(args, model_path: str, ds_config: dict, world: int, local_rank: i
     model = memory_model(AutoConfig.from_pretrained(model_path), args.gradient_checkpointing is not False,
                          args.logprob_chunk, attention, longest,
                          number("stage3_max_live_parameters", number("max_live_parameters", 1e9)), world,
-                         number("reduce_bucket_size", 5e8))
+                         number("reduce_bucket_size", 5e8), args.lora_rank)
     on_host = lambda key: str((zero.get(key) or {}).get("device", "none")) != "none"  # noqa: E731
     kept = {} if on_host("offload_param") else {"bf16 weights": 2}
     if not on_host("offload_optimizer"):
@@ -1241,6 +1260,9 @@ def states_to_come(engine, model: dict[str, float]) -> float:
     return 0.0 if engine.optimizer.optimizer.state or offload else model["first step"]
 
 
+TRAINED_STATES = ("fp32 master weights and gradients", "Adam's moments")  # device_fit's: per trained parameter
+
+
 def device_fit_problem(model: dict[str, float], total: int, device_name: str, vllm_share: float, world: int,
                        longest: int, kept: dict[str, int]) -> str | None:
     """Whether a rank of `world` fits a device of `total` bytes. It keeps, throughout, its share of the states in
@@ -1250,22 +1272,26 @@ def device_fit_problem(model: dict[str, float], total: int, device_name: str, vl
     longest sequence and the optimizer step's transients. None if it fits, else one line saying what would."""
     update = micro_batch_bytes(model, longest)
     bucket, params, per_param = model["reduce bucket"], model["params"], sum(kept.values())
+    # the weights are every parameter's; master weights, gradients and moments only the trained ones' (LoRA)
+    states = sum(n * (model["trained"] if what in TRAINED_STATES else params) for what, n in kept.items())
     step = model["step"] if "Adam's moments" in kept else 0.0  # offloaded, the optimizer steps on the host
     beside = max(vllm_share * total, update, step)
-    if per_param * params / world + bucket + beside <= total:
+    if states / world + bucket + beside <= total:
         return None
     room = total - bucket - beside
-    ways = [f"use at least {math.ceil(per_param * params / room)} GPUs"] if room > 0 else []
-    offloaded = (per_param - 16) * params / world + bucket + max(vllm_share * total, update)
+    ways = [f"use at least {math.ceil(states / room)} GPUs"] if room > 0 else []
+    offloaded = (states - 16 * model["trained"]) / world + bucket + max(vllm_share * total, update)
     if "Adam's moments" in kept and offloaded <= total:
         ways.append('offload the optimizer ("offload_optimizer": {"device": "cpu"} in --ds-config\'s '
                     "zero_optimization)")
-    share = (total - per_param * params / world - bucket) / total - 0.03
-    if share >= 0.1 and per_param * params / world + bucket + max(update, step) <= total:
+    share = (total - states / world - bucket) / total - 0.03
+    if share >= 0.1 and states / world + bucket + max(update, step) <= total:
         ways.append(f"lower --vllm-gpu-memory to {share:.2f}")
-    states = ", ".join(f"{what} {n}" for what, n in kept.items())
-    return (f"{params / 1e9:.2f}B parameters keep {(per_param * params / world + bucket) / 2**30:.1f} GiB a rank on "
-            f"{world} GPU(s) ({per_param} B a parameter over the ranks: {states}), beside the "
+    kinds = ", ".join(f"{what} {n}" for what, n in kept.items())
+    lora = f"; LoRA: master weights, gradients and moments of its {model['trained'] / 1e6:.1f}M adapter " \
+        "parameters only" if model["trained"] < params else ""
+    return (f"{params / 1e9:.2f}B parameters keep {(states / world + bucket) / 2**30:.1f} GiB a rank on "
+            f"{world} GPU(s) ({per_param} B a parameter over the ranks: {kinds}{lora}), beside the "
             f"{vllm_share * total / 2**30:.1f} GiB --vllm-gpu-memory {vllm_share} takes and the "
             f"{max(update, step) / 2**30:.1f} GiB of the update, on a {total / 2**30:.1f} GiB {device_name}: "
             + (" or ".join(ways) or "it does not fit this device") + " (docs/gpu.md)")
@@ -1348,6 +1374,62 @@ def measured_budget(engine, args, longest: int) -> tuple[int, dict[str, float]]:
     memory_model it used."""
     model = trainer_memory(engine, args, longest, attention_kind(args, cuda=True))
     return token_budget(model, torch.cuda.mem_get_info()[0], longest, states_to_come(engine, model)), model
+
+
+# -----------------------------------------------------------------------------
+# DeepSpeed's configuration: the file's optimizer and ZeRO-3 settings with the flags' sizes, lr and precision
+
+
+def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
+    """The file's optimizer and ZeRO settings, with batch sizes, lr and precision from the flags.
+
+    bf16 (default: on CUDA): bf16 weights and activations, but the micro-batches' gradients are
+    reduced across ranks and accumulated in fp32 (DeepSpeed would otherwise do both in bf16,
+    rounding 16 micro-batches' sums to 8 bits of mantissa); the file may override either.
+    """
+    try:
+        cfg = json.loads(Path(args.ds_config).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--ds-config {args.ds_config}: {first_line(e)}") from None
+    if not isinstance(cfg, dict) or not all(isinstance(cfg.get(k, {}), dict) for k in ("optimizer",
+                                                                                        "zero_optimization")):
+        raise ValueError(f"--ds-config {args.ds_config}: must hold a JSON object, as ds_config.json does")
+    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    if stage != 3:  # a resume checks and loads ZeRO-3's layout: a model and an optimizer shard per rank
+        raise ValueError(f"--ds-config {args.ds_config}: ZeRO stage {stage}; this trainer runs ZeRO-3 only "
+                         "(set zero_optimization.stage to 3; offload options stay available)")
+    per_rank = args.prompts_per_step // world * args.group_size // args.minibatches
+    micro = args.micro_batch_size or 1  # DeepSpeed's bookkeeping only: update_minibatch sets each boundary
+    gas = math.ceil(per_rank / micro)
+    sizes = dict(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas,
+                 train_batch_size=micro * gas * world)
+    for k, v in sizes.items():  # batch sizes come from the flags; a config may only agree with them
+        if k in cfg and cfg[k] not in (v, "auto"):
+            raise ValueError(f"--ds-config sets {k}={cfg[k]} but the flags imply {v}; remove it from the config")
+    bf16 = torch.cuda.is_available() if bf16 is None else bf16
+    cfg.update(sizes, bf16={"enabled": bf16})
+    if bf16:
+        cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+        cfg.setdefault("communication_data_type", "fp32")
+    optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    optimizer.setdefault("params", {}).update(lr=args.lr, weight_decay=args.weight_decay)
+    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if optimizer.get("type", "").lower() in ("adam", "adamw") and not offload:
+        # torch.optim.AdamW instead of DeepSpeed's FusedAdam, which is JIT-compiled on first use
+        # (nvcc on a CUDA node; minutes on a CPU); on CUDA its fused kernel (a ZeRO-3 partition is
+        # one flat fp32 tensor per group). Optimizer offload keeps DeepSpeed's CPU Adam.
+        optimizer["params"].setdefault("torch_adam", True)
+        if bf16:
+            optimizer["params"].setdefault("fused", True)
+    return cfg
+
+
+def linear_warmup(num_updates: int):
+    """lr x min(1, k / num_updates) for the k-th optimizer update (k = 1, 2, ...): the first update
+    already moves the weights (DeepSpeed's WarmupLR gives it lr 0)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return lambda optimizer: LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / num_updates))
 
 
 # -----------------------------------------------------------------------------

@@ -70,6 +70,7 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     checked_sizes,
     damaged_shard,
     declare,
+    deepspeed_config,
     device_fit,
     device_record,
     exit_without_teardown,
@@ -80,6 +81,7 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     init_distributed,
     installed_versions,
     jit_extensions_dir,
+    linear_warmup,
     load_data,
     load_training_state,
     make_deterministic,
@@ -186,6 +188,10 @@ def arguments() -> argparse.ArgumentParser:
       help="SAPO's gate temperature where A > 0 (default 1.0)")
     a("--sapo-tau-neg", run="resume", type=float, default=None,
       help="SAPO's gate temperature where A < 0 (default 1.05)")
+    a("--lora-rank", type=int, default=0, help="R > 0: train LoRA adapters of rank R on every linear layer of the "
+      "decoder (PEFT), the base frozen; vLLM samples the merged policy (docs/lora.md). 0: full fine-tuning")
+    a("--lora-alpha", type=float, default=32.0, help="LoRA's update is (alpha / R) B A (32: LoRA Without Regret's, "
+      "with which the best lr hardly moves with R)")
     a("--kl-coef", run="resume", type=float, default=0.0, help="k3 KL to a frozen reference; 0 = no reference model")
     a("--no-std-norm", action="store_true", help="A = r - mean (Dr. GRPO): do not divide by the group std")
     a("--max-prompt-len", type=int, default=1024, help="longer prompts are dropped (counted)")
@@ -677,7 +683,6 @@ def chunked_logprobs(
 # attention confined to each sequence by a variable-length kernel (no pad token is computed).
 
 
-@torch.no_grad()
 def rank_micro_batches(batch: list[dict], max_rows: int | None, max_tokens: int, packed: bool) -> list[list[int]]:
     """micro_batches of this rank's responses, as many on every rank (one all-reduce, only with a budget)."""
     lens = [len(r["tokens"]) for r in batch]
@@ -687,6 +692,7 @@ def rank_micro_batches(batch: list[dict], max_rows: int | None, max_tokens: int,
     return parts
 
 
+@torch.no_grad()
 def fill_logprobs(engine, rollouts: list[dict], key: str, args, batching, device) -> None:
     """r[key] = the engine's per-token log-probs of each response, --logprob-batch-size responses per forward.
 
@@ -795,21 +801,50 @@ def sync_weights_to_vllm(engine, llm) -> None:
     gets its weight memory back first and its KV cache after, once the update's cached blocks
     are returned to the device.
     """
-    import deepspeed
-
-    def weights():
-        for name, param in engine.module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param]):
-                yield name, param.data
-
     asleep = torch.cuda.is_available() and llm.llm_engine.is_sleeping()
     if asleep:
         torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
-    load_weights_into_vllm(llm, weights_iterator=weights())
+    load_weights_into_vllm(llm, weights_iterator=policy_weights(engine))
     if asleep:
         torch.cuda.empty_cache()
         llm.wake_up(tags=["kv_cache"])
+
+
+def policy_weights(engine):
+    """(Hugging Face name, tensor) of every weight of the policy, gathered one ZeRO-3 parameter at a time (a
+    collective: every rank walks the same order); under LoRA each adapted layer's merged W + (alpha / R) B A,
+    the policy the trainer's forward computes, gathered one layer at a time. What vLLM samples from and the
+    checkpoints export."""
+    import deepspeed
+
+    module = engine.module
+    if not hasattr(module, "get_base_model"):  # full fine-tuning
+        for name, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                yield name, param.data
+        return
+    from peft.tuners.lora import LoraLayer
+
+    seen, adapted = set(), None
+    for prefix, layer in module.get_base_model().named_modules():
+        if adapted and prefix.startswith(adapted):
+            continue  # inside an adapted layer: its base weight and adapters, merged below
+        if isinstance(layer, LoraLayer):
+            adapted, (name,) = f"{prefix}.", layer.active_adapters
+            base, a, b = layer.get_base_layer(), layer.lora_A[name].weight, layer.lora_B[name].weight
+            with deepspeed.zero.GatheredParameters([base.weight, a, b]):
+                delta = layer.scaling[name] * (b.data.float() @ a.data.float())  # fp32, then the base's dtype
+                yield f"{prefix}.weight", (base.weight.data.float() + delta).to(base.weight.dtype)
+            if base.bias is not None:
+                with deepspeed.zero.GatheredParameters([base.bias]):
+                    yield f"{prefix}.bias", base.bias.data
+            continue
+        for own, param in layer.named_parameters(recurse=False):
+            if id(param) not in seen:  # a tied weight once, under its first name, as named_parameters gives it
+                seen.add(id(param))
+                with deepspeed.zero.GatheredParameters([param]):
+                    yield f"{prefix}.{own}" if prefix else own, param.data
 
 
 def load_weights_into_vllm(llm, weights_iterator=None, weights_path: str | None = None) -> None:
@@ -887,58 +922,6 @@ def checked_launch(argv: list[str] | None) -> tuple[argparse.Namespace, int, dic
     return argparse.Namespace(**{**vars(args), **as_trained}), world, ds_config, checkpoints
 
 
-def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
-    """The file's optimizer and ZeRO settings, with batch sizes, lr and precision from the flags.
-
-    bf16 (default: on CUDA): bf16 weights and activations, but the micro-batches' gradients are
-    reduced across ranks and accumulated in fp32 (DeepSpeed would otherwise do both in bf16,
-    rounding 16 micro-batches' sums to 8 bits of mantissa); the file may override either.
-    """
-    try:
-        cfg = json.loads(Path(args.ds_config).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--ds-config {args.ds_config}: {first_line(e)}") from None
-    if not isinstance(cfg, dict) or not all(isinstance(cfg.get(k, {}), dict) for k in ("optimizer",
-                                                                                        "zero_optimization")):
-        raise ValueError(f"--ds-config {args.ds_config}: must hold a JSON object, as ds_config.json does")
-    stage = cfg.get("zero_optimization", {}).get("stage", 0)
-    if stage != 3:  # a resume checks and loads ZeRO-3's layout: a model and an optimizer shard per rank
-        raise ValueError(f"--ds-config {args.ds_config}: ZeRO stage {stage}; this trainer runs ZeRO-3 only "
-                         "(set zero_optimization.stage to 3; offload options stay available)")
-    per_rank = args.prompts_per_step // world * args.group_size // args.minibatches
-    micro = args.micro_batch_size or 1  # DeepSpeed's bookkeeping only: update_minibatch sets each boundary
-    gas = math.ceil(per_rank / micro)
-    sizes = dict(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas,
-                 train_batch_size=micro * gas * world)
-    for k, v in sizes.items():  # batch sizes come from the flags; a config may only agree with them
-        if k in cfg and cfg[k] not in (v, "auto"):
-            raise ValueError(f"--ds-config sets {k}={cfg[k]} but the flags imply {v}; remove it from the config")
-    bf16 = torch.cuda.is_available() if bf16 is None else bf16
-    cfg.update(sizes, bf16={"enabled": bf16})
-    if bf16:
-        cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
-        cfg.setdefault("communication_data_type", "fp32")
-    optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    optimizer.setdefault("params", {}).update(lr=args.lr, weight_decay=args.weight_decay)
-    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
-    if optimizer.get("type", "").lower() in ("adam", "adamw") and not offload:
-        # torch.optim.AdamW instead of DeepSpeed's FusedAdam, which is JIT-compiled on first use
-        # (nvcc on a CUDA node; minutes on a CPU); on CUDA its fused kernel (a ZeRO-3 partition is
-        # one flat fp32 tensor per group). Optimizer offload keeps DeepSpeed's CPU Adam.
-        optimizer["params"].setdefault("torch_adam", True)
-        if bf16:
-            optimizer["params"].setdefault("fused", True)
-    return cfg
-
-
-def linear_warmup(num_updates: int):
-    """lr x min(1, k / num_updates) for the k-th optimizer update (k = 1, 2, ...): the first update
-    already moves the weights (DeepSpeed's WarmupLR gives it lr 0)."""
-    from torch.optim.lr_scheduler import LambdaLR
-
-    return lambda optimizer: LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / num_updates))
-
-
 def build_trainer(args, model_path: str, ds_config: dict):
     """The ZeRO-3 policy engine and the frozen reference engine (only with --kl-coef); no vLLM."""
     import deepspeed
@@ -953,19 +936,36 @@ def build_trainer(args, model_path: str, ds_config: dict):
         policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attention)
     except Exception as e:  # a damaged or missing weights file, of whatever error type the loader raises
         sys.exit(f"train_grpo.py: error: cannot load the model from {model_path} ({first_line(e)})")
+    if args.lora_rank:
+        policy = with_adapters(policy, args.lora_rank, args.lora_alpha)
     if args.gradient_checkpointing or (args.gradient_checkpointing is None and cuda):
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers then makes the embedding's output require grad, which reentrant checkpoints need; these are
+        # not, and with LoRA's frozen embedding it would make, and keep through the step, a [tokens x hidden]
+        # gradient of that output (the memory ledger saw it)
+        policy.disable_input_require_grads()
     # warm-up over --lr-warmup-steps rollout steps, unless the DeepSpeed config brings its own schedule
     warmup = args.lr_warmup_steps * args.minibatches
     schedule = linear_warmup(warmup) if warmup > 0 and "scheduler" not in ds_config else None
-    engine, *_ = deepspeed.initialize(model=policy, model_parameters=policy.parameters(), config=ds_config,
-                                      lr_scheduler=schedule)
+    trained = [p for p in policy.parameters() if p.requires_grad]  # the optimizer holds these (LoRA: the adapters)
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=trained, config=ds_config, lr_scheduler=schedule)
     ref_engine = None
     if args.kl_coef > 0:
         ref_cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attention).eval()
         ref_engine = deepspeed.initialize(model=ref, config=ref_cfg)[0]
     return engine, ref_engine
+
+
+def with_adapters(policy, rank: int, alpha: float, **lora):
+    """The policy with LoRA adapters (PEFT) on every linear layer of the decoder, W + (alpha / R) B A with the base
+    frozen; B = 0 at first (the base policy) unless `lora` (more of LoraConfig's fields) says otherwise. The
+    adapters in the weights' dtype, as every other trained weight (bf16 on CUDA, DeepSpeed's fp32 master copies
+    beside them), not PEFT's fp32, which would cast each adapted layer's input to a saved fp32 copy."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear", **lora)
+    return get_peft_model(policy, config, autocast_adapter_dtype=False)
 
 
 def make_vllm(model_path: str, args, rank: int, local_rank: int, to_come: float = 0.0):
@@ -1186,7 +1186,7 @@ def main(argv: list[str] | None = None) -> None:
         bad_streak = bad_streak + 1 if metrics["train/skipped_updates"] else 0
         if step % args.save_interval == 0 or step == args.steps or bad_streak >= args.max_bad_steps:
             sizes = {**here, **{k: getattr(batching, k) for k in flags_with("size")}}
-            save_step(engine, tokenizer, out_dir, step, order, bad_streak, args, sizes, rank)
+            save_step(engine, tokenizer, out_dir, step, order, bad_streak, args, sizes, rank, policy_weights(engine))
         stop_after_bad_steps(bad_streak, args.max_bad_steps, step)
 
     if rank == 0:

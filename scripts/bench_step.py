@@ -102,6 +102,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--logprob-chunk", type=int, default=T.parse_args([]).logprob_chunk, help="the trainer's default")
     p.add_argument("--update-only", action="store_true", help="the ZeRO-3 update alone on a --shape (no vLLM)")
+    p.add_argument("--lora-rank", type=int, default=0, help="--update-only: LoRA adapters of this rank, as the "
+                   "trainer's --lora-rank (alpha 32), the base frozen; 0: full fine-tuning")
     p.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES), help="--update-only: the model's shape")
     p.add_argument("--update-responses", type=int, default=32, help="--update-only: responses per rank per update")
     p.add_argument("--prompt-len", type=int, default=512, help="--update-only: prompt tokens of every response")
@@ -481,13 +483,17 @@ def update_benchmark(args) -> None:
     with torch.device("meta"):
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if cuda:  # refuse, in one line, a shape whose states cannot fit rather than run out of memory minutes in
-        need, total = n_params * STATE_BYTES / world, torch.cuda.get_device_properties(device).total_memory
+        # LoRA: the bf16 weights of every parameter, the other states of the adapters' alone
+        trained = grpo_run.memory_model(config, True, 1, "flash", 1, lora_rank=args.lora_rank)["trained"]
+        need = (n_params * 2 + (trained if args.lora_rank else n_params) * (STATE_BYTES - 2)) / world
+        total = torch.cuda.get_device_properties(device).total_memory
         if need > 0.85 * total:
+            per = f"{STATE_BYTES} bytes per parameter" if not args.lora_rank else \
+                f"2 bytes per parameter, {STATE_BYTES - 2} per adapter parameter"
             if rank == 0:
                 print(f"bench_step.py: error: {args.shape} ({n_params / 1e9:.2f}B parameters) holds "
-                      f"{need / 2**30:.0f} GiB of ZeRO-3 states per GPU over {world} GPU(s) ({STATE_BYTES} bytes "
-                      f"per parameter), {total / 2**30:.0f} GiB on this one: use more GPUs or a smaller --shape",
-                      flush=True)
+                      f"{need / 2**30:.0f} GiB of ZeRO-3 states per GPU over {world} GPU(s) ({per}), "
+                      f"{total / 2**30:.0f} GiB on this one: use more GPUs or a smaller --shape", flush=True)
             sys.exit(1)
     n = args.update_responses
     ds_args = argparse.Namespace(**{**vars(args), "prompts_per_step": n * world, "group_size": 1, "minibatches": 1})
@@ -499,9 +505,13 @@ def update_benchmark(args) -> None:
     args.padded, args.deterministic = False, False
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32,
                                              attn_implementation=grpo_run.attention_implementation(args))
+    if args.lora_rank:  # as the trainer's build_trainer: adapters, then checkpointing
+        model = T.with_adapters(model, args.lora_rank, 32.0)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        model.disable_input_require_grads()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=cfg)
     engine.train()
     rollouts = synthetic_rollouts(n, args.prompt_len, args.response_len, config.vocab_size, 1000 + rank)
     lens = [len(r["tokens"]) for r in rollouts]
@@ -565,11 +575,15 @@ def update_benchmark(args) -> None:
            "params_b": n_params / 1e9, "responses_per_rank": n, "micro_batch_size": args.micro_batch_size,
            "logprob_chunk": args.logprob_chunk, "gradient_checkpointing": args.gradient_checkpointing,
            "prompt_len": args.prompt_len, "response_len": args.response_len, "force_release": args.force_release,
-           "peak_tflops": peak / 1e12 if peak else None, **modes["packed"], "modes": modes, "forward_only": forward}
+           "peak_tflops": peak / 1e12 if peak else None, "lora_rank": args.lora_rank,
+           "trained_params_m": sum(p.ds_numel for p in trained) / 1e6, **modes["packed"], "modes": modes,
+           "forward_only": forward}
     if rank == 0:
         Path(args.out).write_text(json.dumps(res, indent=1))
         print(f"\nupdate benchmark ({res['device']}, {world} rank(s), {args.shape}: {res['params_b']:.2f}B parameters, "
-              f"random weights; ZeRO-3 {'bf16' if cuda else 'fp32'}, gradient checkpointing "
+              f"random weights, {f'LoRA rank {args.lora_rank}' if args.lora_rank else 'full fine-tuning'}: "
+              f"{res['trained_params_m']:.1f}M parameters trained; ZeRO-3 {'bf16' if cuda else 'fp32'}, "
+              "gradient checkpointing "
               f"{'on' if args.gradient_checkpointing else 'off'}, {n} responses of {args.prompt_len} + <= "
               f"{args.response_len} tokens per rank, micro-batches of "
               + (f"at most {args.micro_batch_size} responses" if args.micro_batch_size else "any number of responses")

@@ -257,7 +257,8 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
                          "--prompts-per-step", str(a.prompts), "--minibatches", "2",
                          "--logprob-chunk", str(a.logprob_chunk), "--gradient-checkpointing", "--lr", "1e-5",
                          "--lr-warmup-steps", "0", "--micro-batch-tokens", str(a.micro_batch_tokens),
-                         "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len)])
+                         "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len),
+                         "--lora-rank", str(a.lora_rank)])
     ledger, resident, tokens = Ledger(), {}, {}
     with ledger:
         engine = build(ledger, args, work, T.deepspeed_config(args, 1, bf16=True))
@@ -275,8 +276,8 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
             if step == 1:
                 ledger.phase = "save"
                 grpo_run.save_checkpoint(engine, AutoTokenizer.from_pretrained(model_dir("demo")),
-                                  work / "run" / "checkpoints", 1, {"step": 1, "order": [], "bad_streak": 0}, rank,
-                                  keep_last=2)
+                                         work / "run" / "checkpoints", 1, {"step": 1, "order": [], "bad_streak": 0},
+                                         rank, keep_last=2, weights=T.policy_weights(engine))
     config = engine.module.config
     zero = engine.config["zero_optimization"]
     return {"peaks": ledger.peaks, "maxima": ledger.maxima, "resident": resident, "tokens": tokens,
@@ -285,7 +286,7 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
                          "micro_batch_tokens": max(args.micro_batch_tokens, longest),
                          "reduce_bucket": zero.get("reduce_bucket_size", 5e8),
                          "persistence_threshold": zero.get("stage3_param_persistence_threshold", 1e5),
-                         "world": 1, "config": config.to_dict()}}
+                         "world": 1, "lora_rank": args.lora_rank, "config": config.to_dict()}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -297,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (4 responses each, 2 mini-batches)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
     p.add_argument("--logprob-chunk", type=int, default=256)
+    p.add_argument("--lora-rank", type=int, default=0, help="the trainer's --lora-rank: adapters, the base frozen")
     p.add_argument("--resume-in", default=None, help=argparse.SUPPRESS)  # the resume's own process
     a = p.parse_args(argv)
     import subprocess
@@ -321,11 +323,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     result.update(shape=a.shape, model=memory_model(Qwen2Config(**st["config"]), st["checkpointing"], st["chunk"],
                                                      "flash", st["longest"], st["live_params"], st["world"],
-                                                     st["reduce_bucket"]))
+                                                     st["reduce_bucket"], st["lora_rank"]))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
     cfg = result["settings"]["config"]
-    print(f"[ledger] {a.shape}: {result['model']['params'] / 1e6:.2f}M parameters (hidden {cfg['hidden_size']}, "
+    lora = f", LoRA rank {a.lora_rank}: {result['model']['trained'] / 1e6:.3f}M trained" if a.lora_rank else ""
+    print(f"[ledger] {a.shape}{lora}: {result['model']['params'] / 1e6:.2f}M parameters (hidden {cfg['hidden_size']}, "
           f"{cfg['num_hidden_layers']} layers), 1 rank, bf16; MiB at each phase's peak")
     for phase, peak in result["peaks"].items():
         bound = predicted_peak(phase, result["model"], result)

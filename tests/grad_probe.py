@@ -72,11 +72,14 @@ TOKENS = 34
 # as main does; 120 against 118)
 DEALT_CASES = [("balanced", "ppo", 0), ("token-batch", "ppo", 0)]
 UNEVEN_SEED = 4
+# every rule under ppo with LoRA adapters of rank 2 on every linear layer (--lora-rank, the base frozen), their
+# A and B random and the same on every rank (B = 0, as PEFT starts it, would leave A without a gradient)
+LORA_CASES = [(agg, "lora", 0) for agg in train_grpo.AGGS]
 
 
 def case_name(agg: str, loss: str, rounds: int) -> str:
     """seq, gspo (under balanced), dynamic-2 / dynamic-1 (dynamic sampling over 2 rounds / 1 short round)."""
-    return f"dynamic-{rounds}" if rounds else agg if loss == "ppo" else loss
+    return f"dynamic-{rounds}" if rounds else agg if loss == "ppo" else f"{agg}-lora" if loss == "lora" else loss
 
 
 def main() -> None:
@@ -95,10 +98,16 @@ def main() -> None:
     # and every case again through the padded path (--padded), to hold packed rows to it
     runs = [(c, False, 0, False, False) for c in CASES] + [(c, True, 0, False, False) for c in OFFLOAD_CASES] + \
         [(c, False, TOKENS, False, False) for c in TOKEN_CASES] + [(c, False, 0, True, False) for c in CASES] + \
-        [(c, False, 0, False, deal) for c in DEALT_CASES for deal in ("sampled", "dealt")]
+        [(c, False, 0, False, deal) for c in DEALT_CASES for deal in ("sampled", "dealt")] + \
+        [(c, False, 0, padded, False) for c in LORA_CASES for padded in (False, True)]
     for (agg, loss_name, rounds), offload, tokens, padded, dealt in runs:
         attention = grpo_run.attention_implementation(argparse.Namespace(padded=padded, deterministic=False))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
+        lora, key = loss_name == "lora", case_name(agg, loss_name, rounds)
+        if lora:
+            torch.manual_seed(0)
+            model = train_grpo.with_adapters(model, 2, 4.0, init_lora_weights=False)
+            loss_name = "ppo"
         G = 4
         if rounds:
             local, adv = dealt_batch(model.config.vocab_size, rank, world, rounds)
@@ -126,7 +135,7 @@ def main() -> None:
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
             config["zero_force_ds_cpu_optimizer"] = False  # plain SGD, so the update is minus the gradient
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)  # LoRA: the adapters
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         prologues = []  # DeepSpeed's backward prologue must run on every micro-batch's backward
         real_prologue = engine._backward_prologue
@@ -157,8 +166,7 @@ def main() -> None:
         for name, p in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([p]):
                 delta[name] = (p.data - before[name]).clone()
-        key = case_name(agg, loss_name, rounds) + ("-offload" if offload else "-tokens" if tokens else
-                                                   "-padded" if padded else f"-{dealt}" if dealt else "")
+        key += "-offload" if offload else "-tokens" if tokens else "-padded" if padded else f"-{dealt}" if dealt else ""
         parts = train_grpo.rank_micro_batches(local, args.micro_batch_size, tokens, not padded)
         own = grpo_run.micro_batches([len(r["tokens"]) for r in local], None, tokens, packed=not padded)
         results[key] = {"delta": delta, "loss": loss.item(), "prologues": len(prologues),

@@ -114,6 +114,27 @@ def test_sigkill_during_a_step_then_during_a_save_resumes_exactly(reference, tmp
 
 
 @pytest.mark.slow
+def test_a_lora_run_resumes_exactly(demo_dir, tmp_path):
+    """--lora-rank: a run stopped after step 2 and resumed logs the uninterrupted run's step 3 and exports its
+    merged weights, the adapters and their optimizer states restored from the checkpoint."""
+    lora = ["--lora-rank", "2", "--save-interval", "2"]
+    assert train(tmp_path / "whole", *lora, "--steps", "3").returncode == 0
+    assert train(tmp_path / "split", *lora, "--steps", "2", port=29636).returncode == 0
+    res = train(tmp_path / "split", *lora, "--steps", "3", "--resume", port=29638)
+    assert res.returncode == 0 and "resuming from" in res.stdout, res.stderr[-3000:]
+    # (the split run's step 2 was its last: evaluated, beside the training metrics both log)
+    whole, split = ({s: {k: v for k, v in m.items() if not k.startswith("eval/")} for s, m in metrics(d).items()}
+                    for d in (tmp_path / "whole", tmp_path / "split"))
+    assert_same_run(split, whole)
+    assert whole[3]["loss/pg"] != 0 and whole[3]["train/no_signal"] == 0  # step 3 trained
+    exported = [load_file(d / "checkpoints" / "step_000003" / "model.safetensors") for d in (tmp_path / "whole",
+                                                                                            tmp_path / "split")]
+    assert exported[0].keys() == exported[1].keys() and not any("lora" in k for k in exported[0])
+    for k in exported[0]:
+        torch.testing.assert_close(exported[1][k], exported[0][k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
 def test_keep_last_prunes_states_and_resume_skips_a_damaged_checkpoint(reference_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference_run[0], out)

@@ -495,6 +495,13 @@ def test_a_configuration_that_cannot_fit_its_devices_is_refused_before_any_engin
     line = device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1)
     assert "lower --vllm-gpu-memory to 0.64" in line
     assert device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1, "--vllm-gpu-memory", "0.64") is None
+    # LoRA (--lora-rank): the paper's 7B at its lengths on one H100 or H200, the default vLLM share: the optimizer
+    # states are the adapters' alone, 2 B a parameter of the frozen base stay
+    for device in (H100, H200):
+        assert device_fit(monkeypatch, tmp_path, "qwen2.5-7b", device, 1, "--lora-rank", "8") is None
+    line = device_fit(monkeypatch, tmp_path, "qwen2.5-7b", H100, 1, "--lora-rank", "8", "--vllm-gpu-memory", "0.9")
+    assert "LoRA: master weights, gradients and moments of its 20.2M adapter parameters only" in line
+    assert "lower --vllm-gpu-memory to 0.7" in line
     # a KL term keeps the reference model's bf16 weights beside the policy's: 20 B a parameter, no longer fitting
     line = device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1, "--vllm-gpu-memory", "0.64", "--kl-coef", "0.01")
     assert "(20 B a parameter over the ranks: " in line and "the KL reference's bf16 weights 2" in line

@@ -22,8 +22,10 @@ def deltas(demo_dir, tmp_path_factory):
 
 
 # every rule the trainer defines (a rule a fork adds is held here with no test edited), under ppo; the policy
-# losses under balanced; dynamic sampling: 2 rounds fill the step, 1 round leaves it half full (grad_probe.CASES)
+# losses under balanced; dynamic sampling: 2 rounds fill the step, 1 round leaves it half full (grad_probe.CASES);
+# and every rule again with LoRA adapters, the base frozen (grad_probe.LORA_CASES)
 CASES = [*AGGS, "gspo", "cispo", "sapo", "dynamic-2", "dynamic-1"]
+LORA = [f"{agg}-lora" for agg in AGGS]
 
 
 OFFLOAD = ["seq", "token-batch", "dynamic-2", "dynamic-1"]  # grad_probe.OFFLOAD_CASES: the accumulation boundary
@@ -41,7 +43,7 @@ def assert_same_gradient(one: dict, two: dict) -> None:
     torch.testing.assert_close(flat2, flat1, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("case", CASES + [f"{case}-offload" for case in OFFLOAD])
+@pytest.mark.parametrize("case", CASES + LORA + [f"{case}-offload" for case in OFFLOAD])
 def test_gradient_same_for_1_rank_full_batch_and_2_ranks_micro_1(case, deltas):
     one, two = deltas[1][case], deltas[2][case]
     # the loss is built from the engine's output, so DeepSpeed's backward prologue ran every time
@@ -89,7 +91,7 @@ def test_the_cases_give_different_gradients(deltas):
     assert all(deltas[1][c]["clipped"] > 0 for c in ("balanced", "gspo", "cispo"))
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + LORA)
 def test_packed_rows_give_the_padded_logprobs_and_gradient(case, deltas):
     # every rule, policy loss and dynamic-sampling case, on 1 rank (one micro-batch of 16) and 2 (micro-batches
     # of one response): packed rows (the default) against right-padded ones (--padded), on the same model code
@@ -103,3 +105,13 @@ def test_packed_rows_give_the_padded_logprobs_and_gradient(case, deltas):
         atol = 8 * torch.finfo(torch.float32).eps * float(padded["logp"].abs().max())
         torch.testing.assert_close(packed["logp"], padded["logp"], rtol=0, atol=atol)
         assert_same_gradient(padded, packed)
+
+
+def test_lora_moves_the_adapters_alone(deltas):
+    # --lora-rank: the base's weights (embedding, norms, every linear layer's W) do not move; every adapter does
+    for case in LORA:
+        delta = deltas[1][case]["delta"]
+        adapters = [k for k in delta if ".lora_A." in k or ".lora_B." in k]
+        assert len(adapters) == 2 * 7 * 2  # A and B of 7 linear layers in each of the demo's 2 layers
+        assert all(delta[k].abs().max() > 0 for k in adapters)
+        assert all(torch.count_nonzero(v) == 0 for k, v in delta.items() if k not in adapters), case

@@ -27,15 +27,20 @@ TOLERANCE = 0.005  # the states: counted, so equal to the prediction up to round
 SCALARS = 2**20  # beside a peak: the small tensors no group models (step counters, losses, RNG states; 69 B seen)
 
 
+# every shape with full fine-tuning, and s2 with LoRA adapters of rank 8 (--lora-rank: the base frozen, the
+# optimizer's states the adapters' alone)
+RUNS = {**{shape: ["--shape", shape] for shape in SHAPES}, "s2 lora 8": ["--shape", "s2", "--lora-rank", "8"]}
+
+
 @pytest.fixture(scope="module")
 def ledgers(tmp_path_factory) -> dict[str, dict]:
     out = {}
-    for shape in SHAPES:
-        path = tmp_path_factory.mktemp("ledger") / f"{shape}.json"
-        res = subprocess.run([sys.executable, "-m", "scripts.memory_ledger", "--shape", shape, "--out", str(path)],
+    for name, flags in RUNS.items():
+        path = tmp_path_factory.mktemp("ledger") / "ledger.json"
+        res = subprocess.run([sys.executable, "-m", "scripts.memory_ledger", *flags, "--out", str(path)],
                              cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        out[shape] = json.loads(path.read_text())
+        out[name] = json.loads(path.read_text())
     return out
 
 
@@ -85,6 +90,11 @@ def test_memory_model_holds_the_measured_ledger(ledgers):
         assert resident["after step 1"]["optimizer states"] == pytest.approx(model["first step"], rel=TOLERANCE)
         # a resume redoes step 2 in the same bytes
         assert ledger["peaks"]["step 2 after the resume: micro-batches"] == ledger["peaks"]["step 2: micro-batches"]
+    # LoRA: the same base keeps its bf16 partitions; master weights, gradients and moments are the adapters'
+    lora, full = ledgers["s2 lora 8"]["resident"]["after step 1"], ledgers["s2"]["resident"]["after step 1"]
+    assert lora["parameter partitions"] > full["parameter partitions"]
+    for group in ("master weights", "gradient partitions", "optimizer states"):
+        assert 0 < 20 * lora[group] < full[group], group
 
 
 @pytest.mark.slow

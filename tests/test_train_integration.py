@@ -40,7 +40,8 @@ DAPO = ["--dynamic-sampling", "--overlong-buffer", "8"]  # every 7-token demo an
 
 @pytest.mark.slow
 @pytest.mark.parametrize("agg,minibatches,correction,loss,extra", [
-    ("seq", 1, "none", "ppo", []), ("token", 2, "token", "gspo", []), ("balanced", 2, "sequence", "sapo", []),
+    ("seq", 1, "none", "ppo", ["--lora-rank", "2"]),  # LoRA: vLLM samples, and the checkpoint holds, the merged policy
+    ("token", 2, "token", "gspo", []), ("balanced", 2, "sequence", "sapo", []),
     ("token-batch", 2, "none", "cispo", DAPO)])
 def test_two_rank_run(agg, minibatches, correction, loss, extra, demo_dir, tmp_path):
     out = tmp_path / "run"
@@ -140,6 +141,7 @@ def bad_input(*flags, env=None):
 @pytest.mark.parametrize("flags,message", [
     (["--agg", "median"], "invalid choice: 'median'"),
     (["--group-size", "1"], "--group-size must be at least 2"),
+    (["--lora-rank", "-1"], "--lora-rank must be >= 0 (0: full fine-tuning)"),
     (["--model", "./no/such/model"], "no such directory"),
 ])
 def test_bad_flags_fail_in_one_line(flags, message):

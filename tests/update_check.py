@@ -166,7 +166,8 @@ def main() -> None:
     first = update(engine, ref_engine, args, batching, 1, rank, device)
     result["step_s"] = time.time() - t0
     root = out / "run" / "checkpoints"
-    grpo_run.save_checkpoint(engine, tokenizer, root, 1, {"step": 1, "order": [], "bad_streak": 0}, rank, keep_last=2)
+    grpo_run.save_checkpoint(engine, tokenizer, root, 1, {"step": 1, "order": [], "bad_streak": 0}, rank, keep_last=2,
+                             weights=T.policy_weights(engine))
     saved = master_weights(engine)
     straight = update(engine, ref_engine, args, batching, 2, rank, device)
     after = master_weights(engine)
