@@ -1247,7 +1247,7 @@ def device_fit(args, model_path: str, ds_config: dict, world: int, local_rank: i
     kept = {} if on_host("offload_param") else {"bf16 weights": 2}
     if not on_host("offload_optimizer"):
         kept.update({"fp32 master weights and gradients": 8, "Adam's moments": 8})
-    if args.kl_coef > 0 and not on_host("offload_param"):
+    if args.kl_coef > 0 and not args.lora_rank and not on_host("offload_param"):  # LoRA: the base is the reference
         kept["the KL reference's bf16 weights"] = 2
     device = torch.cuda.get_device_properties(local_rank)
     return device_fit_problem(model, device.total_memory, device.name, args.vllm_gpu_memory, world, longest, kept)

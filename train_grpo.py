@@ -771,6 +771,9 @@ def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, ba
         fill_logprobs(engine, rollouts, "old_logp", args, batching, device)
     if ref_engine is not None and learns:
         fill_logprobs(ref_engine, rollouts, "ref_logp", args, batching, device)
+    elif args.kl_coef > 0 and learns:  # LoRA: the reference is the frozen base, the policy with its adapters off
+        with engine.module.disable_adapter():
+            fill_logprobs(engine, rollouts, "ref_logp", args, batching, device)
     timer["logprobs"] = time.time() - t0
     t0 = time.time()
     engine.train()
@@ -950,7 +953,7 @@ def build_trainer(args, model_path: str, ds_config: dict):
     trained = [p for p in policy.parameters() if p.requires_grad]  # the optimizer holds these (LoRA: the adapters)
     engine, *_ = deepspeed.initialize(model=policy, model_parameters=trained, config=ds_config, lr_scheduler=schedule)
     ref_engine = None
-    if args.kl_coef > 0:
+    if args.kl_coef > 0 and not args.lora_rank:  # LoRA's reference is its own base, its adapters off (update)
         ref_cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attention).eval()
         ref_engine = deepspeed.initialize(model=ref, config=ref_cfg)[0]

@@ -116,8 +116,9 @@ def test_sigkill_during_a_step_then_during_a_save_resumes_exactly(reference, tmp
 @pytest.mark.slow
 def test_a_lora_run_resumes_exactly(demo_dir, tmp_path):
     """--lora-rank: a run stopped after step 2 and resumed logs the uninterrupted run's step 3 and exports its
-    merged weights, the adapters and their optimizer states restored from the checkpoint."""
-    lora = ["--lora-rank", "2", "--save-interval", "2"]
+    merged weights, the adapters and their optimizer states restored from the checkpoint; with a KL term, whose
+    reference is the base, the policy with its adapters off."""
+    lora = ["--lora-rank", "2", "--save-interval", "2", "--kl-coef", "0.01"]
     assert train(tmp_path / "whole", *lora, "--steps", "3").returncode == 0
     assert train(tmp_path / "split", *lora, "--steps", "2", port=29636).returncode == 0
     res = train(tmp_path / "split", *lora, "--steps", "3", "--resume", port=29638)
@@ -127,6 +128,7 @@ def test_a_lora_run_resumes_exactly(demo_dir, tmp_path):
                     for d in (tmp_path / "whole", tmp_path / "split"))
     assert_same_run(split, whole)
     assert whole[3]["loss/pg"] != 0 and whole[3]["train/no_signal"] == 0  # step 3 trained
+    assert whole[3]["loss/ref_kl"] > 0  # two steps away from the base
     exported = [load_file(d / "checkpoints" / "step_000003" / "model.safetensors") for d in (tmp_path / "whole",
                                                                                             tmp_path / "split")]
     assert exported[0].keys() == exported[1].keys() and not any("lora" in k for k in exported[0])

@@ -80,3 +80,33 @@ def test_the_memory_model_counts_the_adapters_states_only():
         assert lora[group] == per_param * adapters  # fp32 master weights, gradients, Adam's two moments
     assert lora["parameter partitions"] == 2 * lora["params"]  # bf16: the frozen base and the adapters
     assert lora["per_token"] - full["per_token"] == 2 * 8 * 7  # each adapted layer's A x, one layer held
+
+
+def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off(demo_dir, monkeypatch):
+    # --kl-coef with --lora-rank loads no second model: update takes the reference log-probs from the policy with
+    # its adapters switched off, which are the base model's; after them the adapters are on again
+    from transformers import AutoModelForCausalLM
+
+    from scripts.bench_step import synthetic_rollouts
+
+    def engine(model):  # what update reads of a DeepSpeed engine: the call, .module, train()
+        def call(**inputs):
+            return model(**inputs)
+
+        call.module, call.train = model, model.train
+        return call
+
+    model = adapted(demo_dir)
+    args = train_grpo.parse_args(["--model", "demo", "--lora-rank", "2", "--kl-coef", "0.01", "--minibatches", "1",
+                                  "--group-size", "4", "--padded"])  # padded rows: the models' own attention
+    batching, cpu = grpo_run.micro_batching(args), torch.device("cpu")
+    rollouts = synthetic_rollouts(8, 4, 8, model.config.vocab_size, seed=0)
+    monkeypatch.setattr(train_grpo, "update_minibatch", lambda *a: {"skipped": 0})  # the reference alone
+    adv = torch.tensor([1.0, -1.0] * 4, dtype=torch.float64)
+    train_grpo.update(engine(model), None, rollouts, adv, args, batching, cpu, 1, {})
+    base = AutoModelForCausalLM.from_pretrained(demo_dir / "model", dtype=torch.float32)
+    for policy, key in ((base, "base_logp"), (model, "policy_logp")):
+        train_grpo.fill_logprobs(engine(policy), rollouts, key, args, batching, cpu)
+    for r in rollouts:
+        torch.testing.assert_close(r["ref_logp"], r["base_logp"], rtol=0, atol=1e-5)
+    assert max((r["policy_logp"] - r["base_logp"]).abs().max() for r in rollouts) > 1e-3  # the adapters on again
