@@ -9,6 +9,7 @@ different rank counts and micro-batch sizes can be compared.
 import argparse
 import gc
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -100,6 +101,8 @@ def main() -> None:
         [(c, False, TOKENS, False, False) for c in TOKEN_CASES] + [(c, False, 0, True, False) for c in CASES] + \
         [(c, False, 0, False, deal) for c in DEALT_CASES for deal in ("sampled", "dealt")] + \
         [(c, False, 0, padded, False) for c in LORA_CASES for padded in (False, True)]
+    if rule := os.environ.get("GRAD_PROBE_RULE"):  # one rule's cases alone (tests/test_fork_a_rule.py's foo)
+        runs = [r for r in runs if r[0][0] == rule and r[0][2] == 0 and r[0][1] in ("ppo", "lora")]
     for (agg, loss_name, rounds), offload, tokens, padded, dealt in runs:
         attention = grpo_run.attention_implementation(argparse.Namespace(padded=padded, deterministic=False))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
