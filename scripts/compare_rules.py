@@ -53,6 +53,13 @@ REFERENCE = "balanced"  # the paper's rule: every other rule is tested against i
 GAPS = {"none": "lab-check-nogap", "middle": "lab-check", "long": "lab-check-long"}
 FACTORIAL_RULES = ("token", REFERENCE)
 MARGIN = {"AUC": 0.5, "J": 1.0}  # the primary measure's, and the last checkpoint's held-out J (secondary)
+# The LoRA study (docs/lora.md, "Does the paper's effect survive LoRA?"; declared before any run): token and
+# balanced on the long gap under full fine-tuning and LoRA of ranks 1 and 8, each arm an ablation.py --out
+# directory of its own (DIR/full, DIR/r1, DIR/r8) trained with its flags (after the factorial's). LoRA's learning
+# rate is 10x the lab's 2e-4 at both ranks, alpha 32: LoRA Without Regret's rule, not tuned on any run.
+LORA_TASK = GAPS["long"]
+LORA_ARMS = {"full": [], "r1": ["--lora-rank", "1", "--lr", "2e-3"], "r8": ["--lora-rank", "8", "--lr", "2e-3"]}
+LORA_MARGIN = 1.5  # AUC points: LoRA learns as full fine-tuning does if TOST puts their difference within this
 LATE_STEPS = 5  # compare's late accuracy (the last 5 steps) and coupling (the first 5): the fewest --steps it reads
 
 
@@ -207,6 +214,11 @@ def predict(task: str, steps: int, seed: int = 0, steady: bool = False, extra: t
     gen = torch.Generator().manual_seed(seed)
     args = {agg: rule_args(task, agg, list(extra)) for agg in rules}  # each rule's run, as the ablation trains it
     sampling = args[REFERENCE]  # how every rule's run samples (the rules differ in the update only)
+    if sampling.lora_rank:  # the update moves the adapters only: B = 0, so the first policy is the base's
+        from train_grpo import with_adapters
+
+        torch.manual_seed(seed)  # A's random start (the runs' own A differ: a prediction, not a replay)
+        model = with_adapters(model, sampling.lora_rank, sampling.lora_alpha)
     rollouts = []
     for _ in range(steps):
         idx = torch.randperm(len(train_pairs), generator=gen)[: sampling.prompts_per_step].tolist()
@@ -429,9 +441,9 @@ def last_checkpoint_J(run: Path, task: str) -> float:
 
 
 def plot_factorial(curves: dict[tuple[str, str, int], dict[int, dict]], rules: list[str], seeds: list[int], T: int,
-                   path: Path) -> None:
-    """Per gap: each rule's training accuracy over the steps, and token - balanced per step (mean ± sd over
-    the paired seeds, as bands)."""
+                   path: Path, panels: dict[str, str] | None = None) -> None:
+    """Per gap (or the panels' keys of `curves`, with their titles): each rule's training accuracy over the steps,
+    and token - balanced per step (mean ± sd over the paired seeds, as bands)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -440,13 +452,14 @@ def plot_factorial(curves: dict[tuple[str, str, int], dict[int, dict]], rules: l
     from scripts.length_drift import seed_band as band
 
     acc = {k: [100 * c[t]["reward/accuracy"] for t in range(1, T + 1)] for k, c in curves.items()}
-    fig, axes = plt.subplots(2, len(GAPS), figsize=(4.4 * len(GAPS), 6.4), sharex=True, squeeze=False)
-    for j, (gap, task) in enumerate(GAPS.items()):
+    panels = panels or {gap: f"{gap} gap ({task})" for gap, task in GAPS.items()}
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.4 * len(panels), 6.4), sharex=True, squeeze=False)
+    for j, (gap, title) in enumerate(panels.items()):
         for i, a in enumerate(rules):
             band(axes[0][j], [acc[(gap, a, s)] for s in seeds], f"C{i}", a)
         band(axes[1][j], [[x - y for x, y in zip(acc[(gap, rules[0], s)], acc[(gap, rules[1], s)])] for s in seeds],
              "C2", f"{rules[0]} - {rules[1]}")
-        axes[0][j].set(title=f"{gap} gap ({task})", ylabel="training accuracy (%)")
+        axes[0][j].set(title=title, ylabel="training accuracy (%)")
         axes[1][j].set(xlabel="step", ylabel=f"{rules[0]} - {rules[1]} (points)")
         axes[1][j].axhline(0, color="grey", linewidth=0.8)
     axes[0][0].legend(fontsize=8)
@@ -532,6 +545,94 @@ def factorial(runs_dir: Path, last_J=last_checkpoint_J, figure: Path | None = No
     return "\n".join(lines)
 
 
+def lora_study(runs_dir: Path, last_J=last_checkpoint_J, figure: Path | None = None) -> str:
+    """The LoRA study's report as markdown: per arm (LORA_ARMS), rule and seed the AUC and the last checkpoint's J;
+    then the declared tests. Primary: token's deficit under each rank, d_r = AUC(token) - AUC(balanced) per seed
+    (two-sided paired t-tests, Holm over the two ranks), and LoRA against full fine-tuning under balanced,
+    L_r = AUC(LoRA r) - AUC(full) per seed (TOST against LORA_MARGIN, Holm over the two ranks, with its t-test).
+    Secondary (Holm over the five): d_full, L_r under token, and D_r = d_r - d_full."""
+    rules = list(FACTORIAL_RULES)
+    tables, curves_of, steps = {}, {}, set()
+    for arm, flags in LORA_ARMS.items():
+        rank = int(flags[flags.index("--lora-rank") + 1]) if "--lora-rank" in flags else 0
+        tables[arm] = run_table(runs_dir / arm, LORA_TASK, rules)
+        for runs in tables[arm].values():
+            for run in runs.values():
+                if (got := read_args_json(run).get("lora_rank", 0)) != rank:
+                    raise ValueError(f"{run}: --lora-rank {got}, in {runs_dir / arm}, the {arm} arm's directory "
+                                     f"(--lora-rank {rank}); train each arm into its own (ablation.py --out)")
+    seeds = sorted(set().union(*(set(t.get(a, {})) for t in tables.values() for a in rules)))
+    for arm, table in tables.items():  # every cell runs every seed: none is dropped from the test unsaid
+        for a in rules:
+            if missing := [s for s in seeds if s not in table.get(a, {})]:
+                raise ValueError(f"{runs_dir / arm}: no {a} run of seed {missing[0]} (every cell runs every seed; "
+                                 "the same ablation.py command trains it)")
+        _, curves, T = paired_curves(runs_dir / arm, table, rules)
+        steps.add(T)
+        curves_of.update({(arm, a, s): c for (a, s), c in curves.items()})
+    if len(steps) != 1:
+        raise ValueError(f"{runs_dir}: the arms' runs differ in --steps ({sorted(steps)}); compare runs of one length")
+    T = steps.pop()
+    for s in seeds:  # B = 0 at the start: every arm's first rollouts are the base policy's
+        first = {(round(c[1]["reward/accuracy"], 6), round(c[1]["length/mean"], 4))
+                 for (_, _, t), c in curves_of.items() if t == s}
+        if len(first) != 1:
+            raise ValueError(f"seed {s}: step 1's rollouts differ across the arms ({sorted(first)}); the arms are "
+                             "not paired (the same --seed and settings but the fine-tuning)")
+    auc = {k: 100 * sum(c[t]["reward/accuracy"] for t in range(1, T + 1)) / T for k, c in curves_of.items()}
+    J = {(arm, a, s): last_J(tables[arm][a][s], LORA_TASK) for arm, a, s in curves_of}
+    first5 = range(1, min(5, T) + 1)
+    pg = {k: sum(c[t]["loss/pg"] for t in first5) / len(first5) for k, c in curves_of.items()}
+    if figure is not None:
+        plot_factorial(curves_of, rules, seeds, T, figure,
+                       {arm: f"{arm} ({' '.join(f) or 'lr 2e-4'}), {LORA_TASK}" for arm, f in LORA_ARMS.items()})
+    from scripts.length_drift import mean_std as ms
+
+    lines = [f"LoRA study: {', '.join(rules)} on {LORA_TASK} x {', '.join(LORA_ARMS)} ("
+             + "; ".join(f"{arm}: {' '.join(f) or 'full fine-tuning, the lab lr 2e-4'}" for arm, f in LORA_ARMS.items())
+             + f"), {len(seeds)} paired seeds ({', '.join(map(str, seeds))}), {T} steps; AUC = mean training accuracy "
+             f"over steps 1-{T} (%), the declared measure; J = the last checkpoint's held-out probability of a right "
+             "answer (%), exact\n",
+             "| arm | rule | " + " | ".join(f"AUC s{s}" for s in seeds) + " | AUC | J, last | pg loss, steps 1-5 |",
+             "|---|---|" + "---|" * (len(seeds) + 3)]
+    for arm in LORA_ARMS:
+        for a in rules:
+            lines.append(f"| {arm} | {a} | " + " | ".join(f"{auc[(arm, a, s)]:.1f}" for s in seeds)
+                         + f" | {ms([auc[(arm, a, s)] for s in seeds])} | {ms([J[(arm, a, s)] for s in seeds])} | "
+                         f"{ms([pg[(arm, a, s)] for s in seeds], 4)} |")
+    d = {arm: [auc[(arm, rules[0], s)] - auc[(arm, rules[1], s)] for s in seeds] for arm in LORA_ARMS}
+    ranks = [arm for arm in LORA_ARMS if arm != "full"]
+    contrasts = {  # name: (per-seed values, family)
+        **{f"d, {arm}": (d[arm], "primary") for arm in ranks},
+        **{f"L, {arm}, {REFERENCE}": ([auc[(arm, REFERENCE, s)] - auc[("full", REFERENCE, s)] for s in seeds],
+                                      "equivalence") for arm in ranks},
+        "d, full": (d["full"], "secondary"),
+        **{f"L, {arm}, {rules[0]}": ([auc[(arm, rules[0], s)] - auc[("full", rules[0], s)] for s in seeds],
+                                     "secondary") for arm in ranks},
+        **{f"D, {arm} - full": ([x - y for x, y in zip(d[arm], d["full"])], "secondary") for arm in ranks}}
+    tests = {k: paired(v, LORA_MARGIN) for k, (v, _) in contrasts.items()}
+    adjusted = {}
+    for family in ("primary", "secondary"):
+        names = [k for k, (_, f) in contrasts.items() if f == family]
+        adjusted.update(zip(names, holm([tests[k]["p"] for k in names]), strict=True))
+    names = [k for k, (_, f) in contrasts.items() if f == "equivalence"]
+    tost = dict(zip(names, holm([tests[k]["p_tost"] for k in names]), strict=True))
+    lines += ["", f"The declared tests (per seed: d = {rules[0]} - {rules[1]} within an arm; L = LoRA - full within a "
+              f"rule; D = d(LoRA) - d(full)); two-sided paired t-tests, alpha 0.05, 95% CIs. Primary: d under each "
+              f"rank (p Holm-adjusted over the two), and L under {REFERENCE} by TOST against ± {LORA_MARGIN} AUC "
+              "points (TOST p Holm-adjusted over the two; equivalence where it is below 0.05; its t-test's p as it "
+              "is). Secondary: the other five (p Holm-adjusted over them)\n",
+              "| contrast | family | values per seed | mean | 95% CI | d_z | t | p | TOST p |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for k, (v, family) in contrasts.items():
+        r = tests[k]
+        p = p_text(r["p"]) if family == "equivalence" else f"{p_text(adjusted[k])} (Holm)"
+        lines.append(f"| {k} | {family} | {' '.join(f'{x:+.1f}' for x in v)} | {r['mean']:+.2f} | "
+                     f"[{r['lo']:+.2f}, {r['hi']:+.2f}] | {r['dz']:+.2f} | {r['t']:+.2f} | {p} | "
+                     + (f"{p_text(tost[k])} (Holm) |" if k in tost else "- |"))
+    return "\n".join(lines)
+
+
 def mechanism(table: dict, rules: list[str], seeds: list[int], task: str) -> str:
     """J and the two decisions at every checkpoint, exact on the held-out prompts (success_probability):
     what each rule did to the check that successes need (mean ± std over seeds)."""
@@ -566,8 +667,9 @@ def main() -> None:
     p.add_argument("runs", nargs="?", help="an ablation.py --out directory of the comparison's runs")
     p.add_argument("--predict", metavar="TASK", help="the first-step prediction on an offline lab-check policy")
     p.add_argument("--factorial", metavar="DIR", help="the token vs balanced x gap factorial's runs (GAPS)")
-    p.add_argument("--figure", metavar="PNG", help="with --factorial: training accuracy per gap and rule, and "
-                   "token - balanced, over the steps (seed bands)")
+    p.add_argument("--lora", metavar="DIR", help="the LoRA study's runs: DIR/full, DIR/r1, DIR/r8 (LORA_ARMS)")
+    p.add_argument("--figure", metavar="PNG", help="with --factorial or --lora: training accuracy per gap (arm) and "
+                   "rule, and token - balanced, over the steps (seed bands)")
     p.add_argument("--steps", type=int, default=12, help="with --predict: rollout steps sampled")
     p.add_argument("--rules", nargs="+", choices=RULES, default=RULES, help="with --predict or a runs directory: "
                    f"these rules, in this order (default: every rule of the trainer's but seq-sum, {REFERENCE} "
@@ -577,8 +679,8 @@ def main() -> None:
     argv = sys.argv[1:]
     train_extra = argv[argv.index("--") + 1 :] if "--" in argv else []  # with --predict: the runs' trainer flags
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    if sum(x is not None for x in (args.runs, args.predict, args.factorial)) != 1:
-        p.error("give one of: a runs directory, --predict TASK, --factorial DIR")
+    if sum(x is not None for x in (args.runs, args.predict, args.factorial, args.lora)) != 1:
+        p.error("give one of: a runs directory, --predict TASK, --factorial DIR, --lora DIR")
     if REFERENCE not in args.rules:  # every rule is measured against it
         p.error(f"--rules must include {REFERENCE}, the rule every other is measured against")
     try:
@@ -586,6 +688,8 @@ def main() -> None:
             predict(args.predict, args.steps, steady=args.steady, extra=tuple(train_extra), rules=args.rules)
         elif args.factorial:
             print(factorial(Path(args.factorial), figure=Path(args.figure) if args.figure else None))
+        elif args.lora:
+            print(lora_study(Path(args.lora), figure=Path(args.figure) if args.figure else None))
         else:
             print(compare(Path(args.runs), args.rules))
     except ValueError as e:

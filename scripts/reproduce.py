@@ -37,6 +37,7 @@ COMPARE_RULES, LENGTH_DRIFT = "scripts.compare_rules", "scripts.length_drift"  #
 LAB_RULES = ["seq", "token", "balanced", "balanced-batch", "token-batch", "dr-grpo", "seq-sum"]
 COMPARE = ["seq", "token", "token-batch", "balanced", "balanced-batch", "dr-grpo"]  # the lab-check pair's order
 PREDICT = [r for r in LAB_RULES if r != "seq-sum"]  # the factorial's prediction
+LORA_SEEDS = [str(s) for s in range(23, 33)]  # the LoRA study's: 10 seeds no earlier experiment ran
 
 # name: (what it is, [ablation.py arguments, ...], [table command, ...]). A table command is a
 # module of this folder run from the project root; its standard output is the section's table.
@@ -66,6 +67,13 @@ EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         [["--model", task, "--aggs", *compare_rules.FACTORIAL_RULES, "--seeds", *FACTORIAL_SEEDS, "--no-eval",
           "--out", "runs/factorial", "--", *FACTORIAL_FLAGS] for task in compare_rules.GAPS.values()],
         [[COMPARE_RULES, "--factorial", "runs/factorial", "--figure", "docs/factorial.png"]],
+    ),
+    "lora-prediction": (
+        "The LoRA study's prediction, before its runs: token's and balanced's first-step and steady gains on the "
+        "long gap, full fine-tuning and LoRA of ranks 1 and 8",
+        [],
+        [[COMPARE_RULES, "--predict", compare_rules.LORA_TASK, "--steady", "--rules", *compare_rules.FACTORIAL_RULES,
+          "--", *FACTORIAL_FLAGS[-2:], *flags] for flags in compare_rules.LORA_ARMS.values()],
     ),
     "lab": (
         "The aggregation lab: every rule x 3 seeds, 40 steps, Acc@8 of every checkpoint (Table 1's layout)",
@@ -116,7 +124,7 @@ def untrained(name: str) -> list[tuple[list[str], list[Path]]]:
     for _, ablations, _ in EXPERIMENTS.values():  # the lab's runs are read by the length study's tables too
         for a in ablations:
             planned = ablation.planned_runs(ablation.parser().parse_args(a[: a.index("--")] if "--" in a else a))
-            if (d := planned[0].parent) not in reads:
+            if not any(r in ((d := planned[0].parent), *d.parents) for r in reads):  # a table reads it or its parent
                 continue
             missing = [r for r in planned if not ablation.finished(ROOT / r)]
             if d not in seen:  # the files once, with the first command that writes into their directory
@@ -149,7 +157,7 @@ def run_commits(table_cmds: list[list[str]]) -> list[str]:
     dirs = {Path(a) for cmd in table_cmds for a in cmd[1:] if a.startswith("runs/")}
     found = set()
     for d in dirs:
-        for f in (ROOT / d).glob("*.commit") if (ROOT / d).is_dir() else []:
+        for f in [*(ROOT / d).glob("*.commit"), *(ROOT / d).glob("*/*.commit")]:  # a study's arms: a folder each
             found.update(x.split()[0] for x in f.read_text().splitlines() if x.strip())
     return sorted(found)
 

@@ -239,3 +239,62 @@ def test_a_checkpoints_decisions_are_the_predictions_baseline():
     m = C.checkpoint_decisions(model_dir("lab-check"), "lab-check")
     assert (f"lab-check: J {m['J']:.4f} (right answers, held-out prompts), check first {m['check_first']:.3f}, "
             f"answer after one check {m['answer_after_check']:.3f};") in prediction_section()["lab-check"]["head"]
+
+
+def test_the_lora_study_tests_the_deficit_per_rank_and_lora_against_full(tmp_path):
+    """Per arm d = token - balanced per seed, L = LoRA - full per rule, D = d(LoRA) - d(full): the declared tests'
+    numbers, each arm read from its own directory and checked to be the arm it claims."""
+    cost = {"full": 0.03, "r1": 0.05, "r8": 0.0}  # token's loss against balanced, times the seed
+    slower = {"full": 0.0, "r1": 0.02, "r8": 0.01}  # LoRA's, under either rule
+    aucs = {}
+    for arm, flags in C.LORA_ARMS.items():
+        rank = int(flags[1]) if flags else 0
+        for agg in C.FACTORIAL_RULES:
+            for seed in (1, 2, 3):
+                late = 0.6 + 0.05 * seed - slower[arm] * (1 + seed % 2) - cost[arm] * seed * (agg == "token")
+                run = tmp_path / arm / f"{C.LORA_TASK}-{agg}-s{seed}"
+                run.mkdir(parents=True)
+                (run / "args.json").write_text(json.dumps({"agg": agg, "seed": seed, "policy_loss": "ppo",
+                                                           "model": C.LORA_TASK, "steps": 3, "lora_rank": rank}))
+                rows = [{"step": 0}] + [{"step": t, "reward/accuracy": [0.3, late, late][t - 1], "length/mean": 10.0,
+                                         "length/pos_neg_gap": 5.0, "loss/pg": 0.1} for t in (1, 2, 3)]
+                (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+                aucs[(arm, agg, seed)] = 100 * (0.3 + 2 * late) / 3
+    out = C.lora_study(tmp_path, last_J=lambda run, task: 80.0, figure=tmp_path / "lora.png")
+    assert (tmp_path / "lora.png").stat().st_size > 10_000
+    d = {arm: [aucs[(arm, "token", s)] - aucs[(arm, "balanced", s)] for s in (1, 2, 3)] for arm in C.LORA_ARMS}
+    rows = {x.split(" | ")[0][2:]: x for x in out.splitlines() if x.startswith(("| d, ", "| L, ", "| D, "))}
+    assert len(rows) == 9
+    for name, v in {"d, r1": d["r1"], "d, full": d["full"], "D, r1 - full": [a - b for a, b in zip(d["r1"], d["full"])],
+                    "L, r8, balanced": [aucs[("r8", "balanced", s)] - aucs[("full", "balanced", s)] for s in (1, 2, 3)]
+                    }.items():
+        r = C.paired(v, C.LORA_MARGIN)
+        assert f"| {' '.join(f'{x:+.1f}' for x in v)} | {r['mean']:+.2f} | [{r['lo']:+.2f}, {r['hi']:+.2f}] |" \
+            in rows[name], name
+    assert rows["d, r8"].split(" | ")[2] == "+0.0 +0.0 +0.0"  # r8 costs token nothing here
+    # an arm's directory holding another arm's runs, or a cell a seed short, is refused in one line
+    args = tmp_path / "r8" / f"{C.LORA_TASK}-token-s2" / "args.json"
+    args.write_text(args.read_text().replace('"lora_rank": 8', '"lora_rank": 1'))
+    with pytest.raises(ValueError, match="--lora-rank 1, in .*r8, the r8 arm's directory"):
+        C.lora_study(tmp_path, last_J=lambda run, task: 0.0)
+    args.unlink()
+    with pytest.raises(ValueError, match="r8: no token run of seed 2"):
+        C.lora_study(tmp_path, last_J=lambda run, task: 0.0)
+
+
+def test_the_lora_studys_design_table_is_its_prediction():
+    """docs/lora.md's table of token / balanced per arm is what results.md's LoRA prediction printed for that arm's
+    flags, digit for digit."""
+    from conftest import ROOT
+
+    text = (ROOT / "docs" / "results.md").read_text()
+    body = text.split("<!-- section lora-prediction -->")[1].split("<!-- end lora-prediction -->")[0]
+    blocks = body.split("`python -m scripts.compare_rules --predict ")[1:]
+    lora = (ROOT / "docs" / "lora.md").read_text()
+    assert len(blocks) == len(C.LORA_ARMS)
+    for (arm, flags), block in zip(C.LORA_ARMS.items(), blocks):
+        command = block.split("`")[0].split()  # TASK ... -- ... and the arm's own flags last
+        assert command[0] == C.LORA_TASK and command[len(command) - len(flags):] == flags
+        assert ("--lora-rank" in command) == bool(flags)
+        token = [x.split("|")[-2].strip() for x in block.splitlines() if x.startswith("| token |")]
+        assert f"| {arm} | {token[0]} | {token[1]} |" in lora

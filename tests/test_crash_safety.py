@@ -115,15 +115,18 @@ def test_sigkill_during_a_step_then_during_a_save_resumes_exactly(reference, tmp
 
 @pytest.mark.slow
 def test_a_lora_run_resumes_exactly(demo_dir, tmp_path):
-    """--lora-rank: a run stopped after step 2 and resumed logs the uninterrupted run's step 3 and exports its
-    merged weights, the adapters and their optimizer states restored from the checkpoint; with a KL term, whose
-    reference is the base, the policy with its adapters off."""
-    lora = ["--lora-rank", "2", "--save-interval", "2", "--kl-coef", "0.01"]
-    assert train(tmp_path / "whole", *lora, "--steps", "3").returncode == 0
-    assert train(tmp_path / "split", *lora, "--steps", "2", port=29636).returncode == 0
-    res = train(tmp_path / "split", *lora, "--steps", "3", "--resume", port=29638)
-    assert res.returncode == 0 and "resuming from" in res.stdout, res.stderr[-3000:]
-    # (the split run's step 2 was its last: evaluated, beside the training metrics both log)
+    """--lora-rank: a run stopped after its checkpoint at step 2 and resumed logs the uninterrupted run's step 3
+    and exports its merged weights, the adapters and their optimizer states restored from the checkpoint; with a
+    KL term, whose reference is the base, the policy with its adapters off."""
+    lora = ["--lora-rank", "2", "--save-interval", "2", "--kl-coef", "0.01", "--steps", "3"]
+    assert train(tmp_path / "whole", *lora).returncode == 0
+    # the run as a kill after step 2's checkpoint leaves it: what came after is not there
+    shutil.copytree(tmp_path / "whole", tmp_path / "split")
+    shutil.rmtree(tmp_path / "split" / "checkpoints" / "step_000003")
+    (tmp_path / "split" / "checkpoints" / "latest").write_text("step_000002")
+    res = train(tmp_path / "split", *lora, "--resume", port=29638)
+    assert res.returncode == 0 and "resuming from" in res.stdout and "step_000002 (step 2)" in res.stdout, \
+        res.stderr[-3000:]
     whole, split = ({s: {k: v for k, v in m.items() if not k.startswith("eval/")} for s, m in metrics(d).items()}
                     for d in (tmp_path / "whole", tmp_path / "split"))
     assert_same_run(split, whole)
