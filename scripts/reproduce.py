@@ -1,6 +1,6 @@
 """Every table the README and docs/ publish, regenerated from its runs by one command.
 
-    python -m scripts.reproduce                   # every experiment (~4 h on a 2-core CPU), then docs/results.md
+    python -m scripts.reproduce                   # every experiment (~5 h on a 2-core CPU), then docs/results.md
     python -m scripts.reproduce lab-check         # one experiment's section of docs/results.md
     python -m scripts.reproduce --list            # the experiments and their commands
     python -m scripts.reproduce --tables-only     # rewrite the sections from the runs already there
@@ -74,6 +74,14 @@ EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
         [],
         [[COMPARE_RULES, "--predict", compare_rules.LORA_TASK, "--steady", "--rules", *compare_rules.FACTORIAL_RULES,
           "--", *FACTORIAL_FLAGS[-2:], *flags] for flags in compare_rules.LORA_ARMS.values()],
+    ),
+    "lora": (
+        "Does the paper's effect survive LoRA? token vs balanced on the long gap, full fine-tuning and LoRA of "
+        "ranks 1 and 8, 10 paired seeds",
+        [["--model", compare_rules.LORA_TASK, "--aggs", *compare_rules.FACTORIAL_RULES, "--seeds", *LORA_SEEDS,
+          "--no-eval", "--out", f"runs/lora/{arm}", "--", *FACTORIAL_FLAGS, *flags]
+         for arm, flags in compare_rules.LORA_ARMS.items()],
+        [[COMPARE_RULES, "--lora", "runs/lora", "--figure", "docs/lora.png"]],
     ),
     "lab": (
         "The aggregation lab: every rule x 3 seeds, 40 steps, Acc@8 of every checkpoint (Table 1's layout)",

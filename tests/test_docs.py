@@ -234,3 +234,19 @@ def test_every_section_shows_the_commands_reproduce_runs():
         assert shown == [f"python -m scripts.ablation {' '.join(a)}" for a in ablations], name
         labels = [x[1:-1] for x in body.splitlines() if x.startswith("`") and x.endswith("`") and x.count("`") == 2]
         assert labels == [reproduce.shown(cmd) for cmd in tables], name
+
+
+def test_the_lora_studys_report_quotes_results_rows_verbatim():
+    """docs/lora.md's tables of the LoRA study's cells and declared tests are rows of results.md's lora section
+    (the cells' AUC and J columns): one digit changed in either fails."""
+    results = (ROOT / "docs" / "results.md").read_text()
+    section = results.split("<!-- section lora -->")[1].split("<!-- end lora -->")[0]
+    lora = (ROOT / "docs" / "lora.md").read_text()
+    report = lora.split("### What happened")[1].split("**Against the prediction.**")[0]
+    tests = [x for x in report.splitlines() if x.startswith(("| d, ", "| L, ", "| D, "))]
+    assert len(tests) == 9 and all(row in section.splitlines() for row in tests)
+    cells = [x for x in report.splitlines() if x.startswith(("| full |", "| r1 |", "| r8 |"))]
+    assert len(cells) == 6
+    for row in cells:
+        arm, rule, auc, j = (c.strip() for c in row.strip("|").split("|"))
+        assert any(x.startswith(f"| {arm} | {rule} |") and f"| {auc} | {j} |" in x for x in section.splitlines()), row
