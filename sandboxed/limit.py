@@ -17,9 +17,28 @@ params = marshal.loads(bytes.fromhex(sys.argv[1]))
 def bound():
     with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")
-    for fd in params["cgroup"]:  # the sandbox's cgroup (its cgroup.procs, or v1's tasks: this one thread)
+    for fd in params["cgroup"]:  # the sandbox's cgroups (cgroup.procs, or v1's tasks: this one thread)
         os.write(fd, b"0")
         os.close(fd)
+    if params["private_proc"]:
+        private_proc()
+
+
+def private_proc():
+    """/proc anew, with the processes of the sandbox's PID namespace only (procfs's subset=pid): none of the
+    kernel's host-wide files (vmstat, meminfo, loadavg, stat, pressure, interrupts, slabinfo, ...), which one
+    sandbox could move and another read. As root in the sandbox's own mount namespace, before the program runs;
+    where the sandbox may not mount (unprivileged) /proc stays bubblewrap's (docs/rewards.md). _ctypes, not
+    ctypes: a tenth of its import time (0.3 ms of a 16 ms start)."""
+    import _ctypes
+
+    class Libc:
+        _handle = _ctypes.dlopen(None)
+
+    class Call(_ctypes.CFuncPtr):
+        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+
+    Call(("mount", Libc))(b"proc", b"/proc", b"proc", 2 | 4 | 8, b"subset=pid")  # MS_NOSUID, MS_NODEV, MS_NOEXEC
 
 
 bound()

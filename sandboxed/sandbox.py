@@ -108,11 +108,32 @@ SHARED_STATE_RULES = (
     # Extended attributes and ACLs are kernel memory outside the tmpfs's size (6 GiB pinned by one sandbox):
     # EOPNOTSUPP, as from a filesystem without them (shutil.copystat and cp skip them then).
     *((name, errno.EOPNOTSUPP, None) for name in ("setxattr", "lsetxattr", "fsetxattr", "setxattrat")),
+    # Sockets of every family but AF_UNIX (1). The sandbox has no network (its namespace holds a loopback only),
+    # and an inet socket's buffers are charged to the host's TCP and UDP pools (tcp_mem, which the trainer's own
+    # connections share), not to the sandbox's memory cgroup (issue #50: 1 GiB beside a 1.5 GiB sandbox). Netlink and
+    # packet sockets read the kernel's state. EAFNOSUPPORT, as for a family the kernel lacks; AF_UNIX's buffers
+    # count in the sandbox's memory.
+    ("socket", errno.EAFNOSUPPORT, (0, ">=", 2)), ("socketpair", errno.EAFNOSUPPORT, (0, ">=", 2)),
+    # The host's counters outside files, which tests/test_channel_scan.py found moving with another sandbox:
+    # sysinfo (the host's free memory, load and process count: sysconf's _SC_AVPHYS_PAGES) ENOSYS, as on a
+    # kernel without it; a socket's cookie (SO_COOKIE, 57, and SO_NETNS_COOKIE, 71, at any level: the kernel
+    # numbers sockets and namespaces from counters every process moves) ENOPROTOOPT, as for an option the
+    # kernel does not know.
+    ("sysinfo", errno.ENOSYS, None),
+    *(("getsockopt", errno.ENOPROTOOPT, (2, "==", option)) for option in (57, 71)),
+    # A session of its own (setsid) makes a new autogroup, which the scheduler weighs like a whole login session
+    # (three responses' setsid children starved a correct sibling where no cpu cgroup groups them) and numbers
+    # from a host-wide counter every later sandbox reads in /proc/self/autogroup: EPERM, setsid's answer for a
+    # process group leader. bubblewrap makes the sandbox's one session before the filter applies.
+    ("setsid", errno.EPERM, None),
 )
 # System calls newer than some libseccomp releases know: since 424 every architecture numbers them alike.
 _UNIFIED_SYSCALLS = {"cachestat": 451, "setxattrat": 463}
 _CLONE_NEW = (0x80, 0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
 
+# As root, every sandbox's /proc holds its own processes only (sandboxed/limit.py, private_proc: procfs's
+# subset=pid), none of the kernel's host-wide counters; tests/test_channel_scan.py's control turns it off.
+PRIVATE_PROC = True
 _TMP_ROOT: str | None = None  # a worker's directory for the weaker modes' sandboxes (see _spawn)
 _IN_WORKER = False  # a scoring worker: the start-up line is its parent's to print
 SANDBOX_MODES = ("bwrap", "unshare", "rlimits")  # strongest first; the weaker two only on request
@@ -160,10 +181,13 @@ def bound_line(mode: str) -> str:
     kind, _ = _memory_bound()
     budget = f"{CODE_MEMORY_BYTES / 2**30:g} GiB"
     if kind.startswith("cgroup"):
-        line = f"each holds at most {budget} and {CODE_MAX_PROCS} processes in all (cgroup v{kind[-1]})"
+        cpu = "one CPU weight for all its processes" if _cpu else "CPU weighed per session (no cpu controller here)"
+        line = f"each holds at most {budget} and {CODE_MAX_PROCS} processes in all, {cpu} (cgroup v{kind[-1]})"
     else:
+        why = ("no writable cgroup hierarchy here: read-only, shadowed or not mounted" if os.geteuid() == 0 else
+               "no writable cgroup here; run the scorer as root for a hard bound")
         line = (f"each holds at most about {budget} in all (a watchdog sums its resident memory every "
-                f"{WATCHDOG_S * 1000:g} ms: no writable cgroup here; run the scorer as root for a hard bound)")
+                f"{WATCHDOG_S * 1000:g} ms: {why})")
     if mode != "bwrap":
         return line
     if root := _sandbox_root():
@@ -176,8 +200,8 @@ def _probe_bwrap() -> None:
     """One sandbox as responses get it: it must start (bubblewrap 0.8 or newer, for the size-limited
     directory), find the keyring, new namespaces and file locks refused, and its own directory writable."""
     try:
-        with _sandbox({}, "probe", 10, {"add_key": _syscall_number("add_key"), "cgroup_name": _CGROUP_NAME},
-                      talk=True, mode="bwrap") as proc:
+        with _sandbox({}, "probe", 10, {"add_key": _syscall_number("add_key"), "cgroup_name": _CGROUP_NAME,
+                                        "own_proc": os.geteuid() == 0}, talk=True, mode="bwrap") as proc:
             out, err = proc.communicate(timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
         out, err = b"", str(e).encode()
@@ -457,7 +481,8 @@ def _sweep_tmpfs() -> None:
                  for name in (os.listdir(_TMPFS_ROOT) if os.path.isdir(_TMPFS_ROOT) else ())]
     kind, base = _memory_bound()
     if base is not None:
-        leftovers += [("cgroup-" + name, functools.partial(_remove_cgroup, os.path.join(base, name)))
+        bases = [base] + ([_cpu] if _cpu is not None and _cpu != base else [])
+        leftovers += [("cgroup-" + name, functools.partial(_remove_cgroups, [os.path.join(b, name) for b in bases]))
                       for name in os.listdir(base) if name.isdigit()]
     for name, action in leftovers:
         try:
@@ -483,11 +508,13 @@ def _sweep_tmpfs() -> None:
 _CGROUP_NAME = "balanced-grpo-sandboxes"
 WATCHDOG_S = 0.01
 _bound: tuple[str, str | None] | None = None
+_cpu: str | None = None  # _cpu_base's answer, decided with _bound
 
 
-def _own_cgroup(version: int) -> str | None:
-    """This process's cgroup directory in v2's hierarchy, or in v1's memory one (None where not mounted)."""
-    controller = "" if version == 2 else "memory"
+def _own_cgroup(version: int, controller: str = "memory") -> str | None:
+    """This process's cgroup directory in v2's hierarchy, or in v1's hierarchy of `controller` (None where not
+    mounted)."""
+    controller = "" if version == 2 else controller
     own = None
     with open("/proc/self/cgroup") as f:
         for line in f:
@@ -527,17 +554,53 @@ def _cgroup_base() -> tuple[str, str] | None:
             os.makedirs(base, exist_ok=True)
             if version == 2:
                 _write(base, "cgroup.subtree_control", "+memory +pids")
-        except OSError:
+            _try_cgroup(base, "memory.max" if version == 2 else "memory.limit_in_bytes", str(CODE_MEMORY_BYTES))
+        except OSError:  # read-only, or shadowed by another filesystem: the watchdog's bound, as without cgroups
             continue
         return f"cgroup{version}", base
     return None
 
 
+def _try_cgroup(base: str, limit: str, value: str) -> None:
+    """A cgroup made, limited and removed under `base`, or OSError: a read-only hierarchy refuses the first, and a
+    directory that only looks like one (a tmpfs mounted over the hierarchy) has no cgroup.procs of the kernel's."""
+    trial = os.path.join(base, f"trial-{os.getpid()}")
+    os.makedirs(trial, exist_ok=True)
+    try:
+        if not os.path.exists(os.path.join(trial, "cgroup.procs")):
+            raise OSError(errno.ENOTSUP, f"{base} is not a cgroup hierarchy")
+        _write(trial, limit, value)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(trial)
+
+
+def _cpu_base(kind: str, base: str) -> str | None:
+    """Where each sandbox gets a CPU group of its own, one weight for all its processes: v2, the memory cgroup
+    itself with the cpu controller enabled (cpu.weight); v1, the cpu hierarchy's folder of the sandboxes' groups.
+    Without it the scheduler weighs every session a sandbox makes (setsid, autogroups) like another sandbox. None
+    where no cpu controller is delegated."""
+    try:
+        if kind == "cgroup2":
+            _write(base, "cgroup.subtree_control", "+cpu")  # refused where the parent does not delegate cpu
+            return base
+        own = _own_cgroup(1, "cpu")
+        if own is None:
+            return None
+        cpu = os.path.join(own, _CGROUP_NAME)
+        os.makedirs(cpu, exist_ok=True)
+        _try_cgroup(cpu, "cpu.shares", "1024")
+        return cpu
+    except OSError:
+        return None
+
+
 def _memory_bound() -> tuple[str, str | None]:
     """("cgroup2" or "cgroup1", the sandboxes' cgroup base) or ("watchdog", None), decided once per scorer."""
-    global _bound
+    global _bound, _cpu
     if _bound is None:
         found = _cgroup_base() if os.geteuid() == 0 else None
+        _cpu = _cpu_base(*found) if found else None
         _bound = found or ("watchdog", None)
     return _bound
 
@@ -563,6 +626,8 @@ def _sandbox_cgroup(uid: int) -> Iterator[list[int]]:
     except OSError:
         raise SandboxUnavailable(f"the sandbox cgroup {uid} is not given back") from None
     path = os.path.join(base, str(uid))
+    cpu = os.path.join(_cpu, str(uid)) if _cpu is not None and _cpu != base else None  # v1's cpu hierarchy
+    fds = []
     try:
         os.makedirs(path, exist_ok=True)
         _kill_cgroup(path)  # the directory is ours: whatever is left in it is a dead scorer's
@@ -582,17 +647,28 @@ def _sandbox_cgroup(uid: int) -> Iterator[list[int]]:
         # v1: its `tasks` file, which moves the one thread that writes "0" to it without the thread-group lock
         # whose write side waits an RCU grace period (0.03 ms against 5 ms a start here); the sandbox's first
         # process has one thread then. v2 moves whole processes only.
-        fd = os.open(os.path.join(path, "cgroup.procs" if kind == "cgroup2" else "tasks"), os.O_WRONLY)
+        fds.append(os.open(os.path.join(path, "cgroup.procs" if kind == "cgroup2" else "tasks"), os.O_WRONLY))
+        if cpu is not None:  # v1: a group of the cpu hierarchy too, at its default weight (cpu.shares 1024)
+            os.makedirs(cpu, exist_ok=True)
+            fds.append(os.open(os.path.join(cpu, "tasks"), os.O_WRONLY))
     except OSError as e:
+        for fd in fds:
+            os.close(fd)
         claim.close()
         raise SandboxUnavailable(f"cannot set up the sandbox cgroup {path}: {e}") from None
     try:
-        yield [fd]
+        yield fds
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
         _kill_cgroup(path)
-        _cleanups.put((functools.partial(_remove_cgroup, path), claim))
+        _cleanups.put((functools.partial(_remove_cgroups, [path] + ([cpu] if cpu else [])), claim))
         _start_cleaner()
+
+
+def _remove_cgroups(paths: list[str]) -> None:
+    for path in paths:
+        _remove_cgroup(path)
 
 
 def _kill_cgroup(path: str) -> None:
@@ -816,7 +892,8 @@ def _sandbox(files: dict[str, str], program: str, timeout: float, params: dict, 
           _sandbox_cgroup(uid) as cgroup):
         bundle = _fd_holding(marshal.dumps((files, data)))
         seccomp = _fd_holding(seccomp_program, pipe=True) if seccomp_program is not None else None
-        params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode, "cgroup": cgroup}
+        params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode, "cgroup": cgroup,
+                  "private_proc": PRIVATE_PROC and mode == "bwrap"}
         # -B: nothing written beside the programs (their folder is read-only in the sandbox, the project's outside)
         where = "/prog" if mode == "bwrap" else str(SANDBOXED)
         python = [_sandbox_python(mode), "-I", "-B", f"{where}/{program}.py", marshal.dumps(params).hex()]

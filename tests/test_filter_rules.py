@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(not shutil.which("bwrap"), reason="the filter is
 
 BAD_FD = -1
 PAGE = "page"  # the address of a shared page the probe maps
+CHILD = "child"  # as the first argument: the call is made in a forked child
 # (system call, the rule's value or None, errno, arguments)
 PROBES = [
     # the kernel keyring: a key type that does not exist, an unknown keyctl command, a key nobody has
@@ -63,6 +64,13 @@ PROBES = [
     ("lsetxattr", None, errno.EOPNOTSUPP, [b"/no-such-file", b"user.x", b"x", 1, 0]),
     ("fsetxattr", None, errno.EOPNOTSUPP, [BAD_FD, b"user.x", b"x", 1, 0]),
     ("setxattrat", None, errno.EOPNOTSUPP, [BAD_FD, b"x", 0, b"user.x", 0, 0]),
+    # sockets other than AF_UNIX: an AF_INET stream socket (the kernel makes it), an AF_INET socketpair (EOPNOTSUPP)
+    ("socket", 2, errno.EAFNOSUPPORT, [2, 1, 0]),
+    ("socketpair", 2, errno.EAFNOSUPPORT, [2, 1, 0, PAGE]),
+    # the host's counters: sysinfo into a page of its own; a cookie of no descriptor (EBADF from the kernel)
+    ("sysinfo", None, errno.ENOSYS, [PAGE]),
+    ("setsid", None, errno.EPERM, [CHILD]),  # in a child, not its group's leader (the program leads bubblewrap's)
+    *(("getsockopt", option, errno.ENOPROTOOPT, [BAD_FD, 1, option, PAGE, PAGE]) for option in (57, 71)),
 ]
 
 def probe(calls: list) -> None:
@@ -78,8 +86,18 @@ def probe(calls: list) -> None:
     address = ctypes.addressof(ctypes.c_char.from_buffer(page))
     got = []
     for nr, args in calls:
+        child = args[:1] == ["child"]
         args = [address if a == "page" else a.encode("latin-1") if isinstance(a, str) else ctypes.c_long(a)
-                for a in args]
+                for a in args[child:]]
+        if child:
+            import os
+
+            pid = os.fork()
+            if pid == 0:
+                ctypes.set_errno(0)
+                os._exit(0 if libc.syscall(ctypes.c_long(nr), *args) >= 0 else ctypes.get_errno())
+            got.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+            continue
         ctypes.set_errno(0)
         got.append(0 if libc.syscall(ctypes.c_long(nr), *args) >= 0 else ctypes.get_errno())
     print(json.dumps(got))

@@ -529,6 +529,80 @@ def test_a_neighbour_holding_its_processes_takes_none_from_the_others():
     assert scores == [1.0] * 8
 
 
+# A neighbour whose children each make a session of their own (setsid: a new autogroup, which the scheduler
+# weighs like a whole login session) and spin; and a correct program that needs about a second of CPU alone.
+SESSION_HOG = ("import os, time\nfor _ in range(16):\n    if os.fork() == 0:\n        try:\n            os.setsid()\n"
+               "        except OSError:\n            pass\n        while True:\n            pass\n"
+               "print('spinning', flush=True)\ntime.sleep(30)")
+CPU_BOUND = "n = int(input())\nprint(sum(i * i % 7 for i in range(n)))"
+
+
+def next_to_session_hogs(n: int, alone_s: float | None = None, hogs: int = 3) -> tuple[float, tuple, tuple]:
+    """CPU_BOUND's seconds alone, and its (exit code, output, timed out) while `hogs` SESSION_HOGs spin (started
+    first, and spinning until it is over), within a deadline of 6 times its time alone plus 0.5 s (its fair share
+    on 2 cores beside 3 others: half a core, about 2 times slower; one session's share in 49: 25 to 50 times)."""
+    t = time.perf_counter()
+    alone = sandbox.run_sandboxed(CPU_BOUND, f"{n}\n", timeout=20)
+    alone_s = alone_s or time.perf_counter() - t  # (the control takes the measured one's)
+    assert alone[0] == 0 and not alone[2], alone
+    deadline = 6 * alone_s + 0.5
+    threads = [threading.Thread(target=sandbox.run_sandboxed, args=(SESSION_HOG,),
+                                kwargs={"timeout": deadline + 1.5}) for _ in range(hogs)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # the hogs' children spin
+    beside = sandbox.run_sandboxed(CPU_BOUND, f"{n}\n", timeout=deadline)
+    for thread in threads:
+        thread.join()
+    return alone_s, alone, beside
+
+
+@as_root
+@pytest.mark.slow  # about 12 s: three hogs spin for 5 s, twice (on an idle 2-core machine)
+def test_a_correct_sibling_keeps_its_cpu_next_to_hogs_of_many_sessions(probed, monkeypatch):
+    """Every process of a sandbox shares one CPU weight (a cgroup of the cpu controller per sandbox, and one
+    session: setsid is refused): three responses whose 16 children each try setsid and spin take a share each,
+    not one per session. Without both the sibling gets about one share in 49 and misses its deadline."""
+    if sandbox._memory_bound()[0] == "watchdog" or sandbox._cpu is None:
+        pytest.skip("no cpu controller delegated here")
+    n = 4_000_000  # about half a second alone
+    alone_s, alone, beside = next_to_session_hogs(n)
+    assert beside == alone, (alone_s, beside)  # the same answer, in time
+    # the control: the hogs' sessions weighed one by one (their autogroups), as before
+    monkeypatch.setattr(sandbox, "_cpu", None)
+    rules = tuple(r for r in sandbox.seccomp_rules() if r[0] != "setsid")
+    monkeypatch.setattr(sandbox, "seccomp_rules", lambda: rules)
+    _, _, starved = next_to_session_hogs(n, alone_s)
+    assert starved[2], starved  # timed out
+
+
+# Fills loopback TCP connections' buffers (a reader that never reads), as far as it gets.
+TCP_FILLER = ("import socket, time\ntry:\n    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+              "    server.bind(('127.0.0.1', 0))\n    server.listen(64)\n    held, sent = [], 0\n"
+              "    for _ in range(32):\n        c = socket.create_connection(server.getsockname())\n"
+              "        held += [c, server.accept()[0]]\n        c.setblocking(False)\n        try:\n"
+              "            while True:\n                sent += c.send(b'x' * 65536)\n"
+              "        except BlockingIOError:\n            pass\n    print('sent', sent, flush=True)\n"
+              "    time.sleep(3)\nexcept OSError as e:\n    print('refused', e.errno, flush=True)")
+
+
+def tcp_memory_pages() -> int:
+    """The host's TCP buffers, pages (/proc/net/sockstat's TCP mem)."""
+    with open("/proc/net/sockstat") as f:
+        return next(int(line.split("mem")[1].split()[0]) for line in f if line.startswith("TCP:"))
+
+
+@pytest.mark.slow  # a sandbox start and the probe's, about 5 s (the quick tier stays under 3 minutes)
+def test_a_loopback_tcp_filler_holds_no_kernel_memory_outside_its_budget():
+    """Socket buffers of inet sockets are charged to the host's TCP pool, not to the sandbox's memory cgroup: a
+    sandbox gets AF_UNIX sockets only (the filter), so the filler gets no socket and the host's TCP memory does
+    not grow by what it would have sent (1 GiB beside a 1.5 GiB sandbox, unfiltered)."""
+    before = tcp_memory_pages()
+    rc, out, _ = sandbox.run_sandboxed(TCP_FILLER, timeout=10)
+    assert out.split() == ["refused", str(errno.EAFNOSUPPORT)], out
+    assert tcp_memory_pages() - before < 4096  # 16 MiB: the host's own connections come and go meanwhile
+
+
 # Writes 16 MiB files (the file-size limit) into every writable place it has, until none takes more.
 DISK = ("total, dirs, i = 0, ['.', '/tmp'], 0\nwhile dirs and i < 64:\n    d = dirs[i % len(dirs)]\n    try:\n"
         "        with open(f'{d}/f{i}', 'wb') as f:\n            for _ in range(16):\n"
@@ -860,11 +934,15 @@ def test_kernel_memory_is_bounded_per_sandbox(clean_machine):
     assert peak - before < 256 << 20, (before >> 20, peak >> 20)
 
 
-def test_the_hosts_proc_sys_is_not_there():
-    """/proc/sys/fs/inode-nr and file-nr move with other sandboxes' files and open files: not shown."""
-    program = "import os\nprint(os.listdir('/proc/sys'), os.path.exists('/proc/sys/fs/inode-nr'))"
-    assert os.path.exists("/proc/sys/fs/inode-nr")
-    assert sandbox.run_sandboxed(program, timeout=10)[1].split() == ["[]", "False"]
+@as_root
+def test_the_hosts_proc_is_not_there():
+    """/proc/sys/fs/inode-nr and file-nr move with other sandboxes' files, /proc/vmstat with their memory,
+    /proc/loadavg with their threads: the sandbox's /proc holds its own processes only (procfs's subset=pid)."""
+    program = "import os\nprint(sorted(e for e in os.listdir('/proc') if not e.isdigit()))"
+    assert os.path.exists("/proc/sys/fs/inode-nr") and os.path.exists("/proc/vmstat")
+    assert sandbox.run_sandboxed(program, timeout=10)[1].strip() == "['self', 'thread-self']"
+    # what programs still need it for: /dev/stdin (a link to /proc/self/fd/0), as stdio solutions open it
+    assert sandbox.run_sandboxed("print(open('/dev/stdin').read().split())", "3 4\n", timeout=10)[1] == "['3', '4']\n"
 
 
 # -- what one sandbox holds, all its processes together --------------------------------------------------
@@ -929,6 +1007,23 @@ def test_a_sandbox_dies_first_when_the_host_runs_short():
                "    os.write(w, open('/proc/self/oom_score_adj').read().encode())\n    os._exit(0)\n"
                "print(open('/proc/self/oom_score_adj').read().strip(), os.read(r, 16).decode().strip())")
     assert sandbox.run_sandboxed(program, timeout=10)[1].split() == ["1000", "1000"]
+
+
+@as_root
+@pytest.mark.parametrize("hierarchy", ["shadowed", "read-only"])
+def test_a_cgroup_hierarchy_that_cannot_bound_falls_back_to_the_watchdog(hierarchy, tmp_path, monkeypatch):
+    """A tmpfs mounted over the hierarchy (directories without the kernel's cgroup.procs, whose limits would be
+    plain files) or a read-only one: the watchdog bounds the sandbox, the start-up line says why, and scores go
+    on (they failed in one line each)."""
+    where = str(tmp_path) if hierarchy == "shadowed" else "/proc/1"
+    monkeypatch.setattr(sandbox, "_own_cgroup", lambda version, controller="memory": where)
+    sandbox._memory_bound()
+    monkeypatch.setattr(sandbox, "_cpu", sandbox._cpu)  # both restored after the test
+    monkeypatch.setattr(sandbox, "_bound", None)
+    assert sandbox._memory_bound() == ("watchdog", None) and sandbox._cpu is None
+    assert "read-only, shadowed or not mounted" in sandbox.bound_line("bwrap")
+    assert sandbox.run_sandboxed("print(6 * 7)", timeout=10)[1].strip() == "42"
+    assert not list(tmp_path.rglob("trial-*"))  # its trial cgroup removed
 
 
 def test_the_start_up_line_names_the_bound():
