@@ -1,6 +1,6 @@
 """The scorer's start-up probe (rewards._probe_bwrap): one sandbox as responses get it must find the kernel
 keyring, new namespaces and file locks refused, its own directory writable, itself the OOM killer's first
-choice, inside its cgroups where it was handed them, and (as root) with no host-wide file in its /proc."""
+choice, inside its cgroups where it was handed them; and whether its /proc shows the host's files."""
 
 import ctypes
 import errno
@@ -29,9 +29,9 @@ with open("/proc/self/oom_score_adj") as f:
 with open("/proc/self/cgroup") as f:
     joined = f.read()
 unbounded = joined.count(f"/{params['cgroup_name']}/") < len(params["cgroup"])  # a line per hierarchy joined
-# as root: /proc holds the sandbox's processes only, no host-wide file (limit.private_proc)
-host = params["own_proc"] and any(not e.isdigit() and e not in ("self", "thread-self") for e in os.listdir("/proc"))
+# /proc holds the sandbox's processes only, no host-wide file (limit.private_proc), where the mount was allowed
+host = any(not e.isdigit() and e not in ("self", "thread-self") for e in os.listdir("/proc"))
 
 print("keyring reachable" if keyring else "namespaces allowed" if namespace else "locks shared" if locks else
       "not the OOM killer's first choice" if oom else "outside its cgroup" if unbounded else
-      "the host's /proc in view" if host else "isolated", flush=True)
+      "isolated, the host's /proc in view" if host else "isolated", flush=True)

@@ -132,7 +132,8 @@ def untrained(name: str) -> list[tuple[list[str], list[Path]]]:
     for _, ablations, _ in EXPERIMENTS.values():  # the lab's runs are read by the length study's tables too
         for a in ablations:
             planned = ablation.planned_runs(ablation.parser().parse_args(a[: a.index("--")] if "--" in a else a))
-            if not any(r in ((d := planned[0].parent), *d.parents) for r in reads):  # a table reads it or its parent
+            d = planned[0].parent
+            if not any(r == d or r in d.parents for r in reads):  # a table reads it, or the study folder it is in
                 continue
             missing = [r for r in planned if not ablation.finished(ROOT / r)]
             if d not in seen:  # the files once, with the first command that writes into their directory

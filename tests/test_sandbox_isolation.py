@@ -1010,6 +1010,19 @@ def test_a_sandbox_dies_first_when_the_host_runs_short():
 
 
 @as_root
+def test_the_hosts_proc_refuses_scoring_only_where_the_scorer_could_have_mounted_its_own(monkeypatch, caplog):
+    """The private /proc missing (PRIVATE_PROC off stands for a refused mount): a scorer that mounts (root with
+    CAP_SYS_ADMIN) refuses code rewards in one line; one that cannot (unprivileged, or a container without the
+    capability, where bubblewrap's tmpfs is used too) goes on and warns."""
+    monkeypatch.setattr(sandbox, "PRIVATE_PROC", False)
+    with pytest.raises(sandbox.SandboxUnavailable, match="the host's /proc in view"):
+        sandbox._probe_bwrap()
+    monkeypatch.setattr(sandbox, "_can_mount", False)
+    sandbox._probe_bwrap()
+    assert "sandboxes see the host's /proc" in caplog.text
+
+
+@as_root
 @pytest.mark.parametrize("hierarchy", ["shadowed", "read-only"])
 def test_a_cgroup_hierarchy_that_cannot_bound_falls_back_to_the_watchdog(hierarchy, tmp_path, monkeypatch):
     """A tmpfs mounted over the hierarchy (directories without the kernel's cgroup.procs, whose limits would be
