@@ -26,8 +26,10 @@ import atexit
 import contextlib
 import json
 import logging
+import math
 import os
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -44,9 +46,15 @@ from sandboxed.sandbox import CODE_TIMEOUT_S, SandboxUnavailable, run_cases, san
 log = logging.getLogger("rewards")
 # Bumped whenever the same response could score differently: evaluate.py keys its caches by it, so that no
 # table mixes scores of two versions. 2: code counts only a full pass. 3: as root, a sandbox sees the
-# standard library only (no package the host's interpreter happens to have), and one past its memory fails.
-SCORING_VERSION = 3
+# standard library only (no package the host's interpreter happens to have), and one past its memory fails. 4: a
+# sandboxed program has no /proc, pipe, socket or memfd (docs/rewards.md), and the check's CPU is bounded.
+SCORING_VERSION = 4
 MATH_TIMEOUT_S = 5  # seconds (an int: math-verify hands it to signal.alarm)
+# The scorer's own CPU on one code item (the benchmark's check, decoding what the sandbox returns), outside every
+# sandbox's limits: past it the scoring worker is killed (RLIMIT_CPU) and the item scores 0. The heaviest check of
+# the 421 HumanEval and MBPP reference solutions took 7 ms; one crafted return value (ints that all hash alike,
+# put in a set by the check) took 12.5 s within the item's wall deadline (issue #50).
+CODE_CHECK_CPU_S = 2
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not worth symbolic verification
 
 
@@ -228,13 +236,20 @@ def _worker_main(tmp_root: str, root: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers end
     out = sys.stdout
     sys.stdout = sys.stderr  # stray prints (e.g. from libraries) must not corrupt the channel
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a worker past its CPU bound dies without a core file
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
     for line in sys.stdin:
         job = json.loads(line)
+        if job["cpu"]:  # SIGXCPU ends this process once it has used job["cpu"] more CPU seconds (ceil'd)
+            bound = math.ceil(sum(resource.getrusage(resource.RUSAGE_SELF)[:2])) + job["cpu"]
+            resource.setrlimit(resource.RLIMIT_CPU, (bound if hard == resource.RLIM_INFINITY else min(bound, hard),
+                                                     hard))
         try:
             score = score_one(job["response"], job["reference"], job["kind"], job["partial"], job["timeout"])
             err = None
         except Exception as e:  # noqa: BLE001 - reported as an error count, scored 0
             score, err = 0.0, repr(e)[:200]
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
         out.write(json.dumps({"i": job["i"], "score": score, "error": err}) + "\n")
         out.flush()
 
@@ -322,7 +337,8 @@ def compute_rewards(
 
     def job(i: int) -> str:
         return json.dumps({"i": i, "response": responses[i], "reference": references[i], "kind": kinds[i],
-                           "partial": code_partial, "timeout": code_timeout})
+                           "partial": code_partial, "timeout": code_timeout,
+                           "cpu": CODE_CHECK_CPU_S if kinds[i] == "code" else None})
 
     def limit(i: int) -> float:
         if timeout is not None:

@@ -1,7 +1,9 @@
 """The stdio case runner (rewards.run_cases): the response's program runs once per input, each as its own
-process (own session, limits, the sandbox's uid), the case's input as stdin (an anonymous file, memfd, that
-only this case is handed), its stdout read up to the cap within its wall time; each case's exit code and
-output go back on the runner's stdout, where the scorer compares them (expected outputs never enter)."""
+process (own process group, limits, the sandbox's uid), its input a file and its output a FIFO of the sandbox's
+own tmpfs (.io/stdin and .io/stdout, which /dev/stdin and /dev/stdout name), its stdout read up to the cap within
+its wall time; each case's exit code and output go back on the runner's stdout, where the scorer compares them
+(expected outputs never enter). No pipe, no memfd: their inodes are numbered from a counter of the whole host,
+which any fstat reads (docs/rewards.md); the sandbox's own tmpfs numbers its files alone."""
 
 import atexit
 import os
@@ -15,25 +17,38 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the 
 from limit import limit, params, unpack  # noqa: E402
 
 channel = os.dup(1)
-
-
-def as_file(text):
-    fd = os.memfd_create("input", 0)
-    with open(fd, "w", encoding="utf-8", closefd=False) as f:
-        f.write(text)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-inputs = [as_file(text) for text in unpack()]
+inputs = unpack()  # held here only: a case sees its own input, never another's
 null = os.open(os.devnull, os.O_RDWR)
 os.dup2(null, 0)
 os.dup2(null, 1)
-same_user = params["limits"][4] < 0
+uid = params["limits"][4]
+same_user = uid < 0
 if same_user:  # cases run as this user: make this process unreadable to them through /proc
     import ctypes
     prctl = ctypes.CDLL(None).prctl
     prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+os.makedirs(".io", 0o755, exist_ok=True)
+
+
+def case_files(text):
+    """.io/stdin, a file holding the case's input, readable and not writable by the case; .io/stdout, a FIFO (a
+    pipe by its path: /dev/stdout opened by the program writes into it as into the pipe a harness hands), its
+    reading end here. Both made anew for each case."""
+    for name in ("stdin", "stdout"):
+        try:
+            os.unlink(".io/" + name)
+        except FileNotFoundError:
+            pass
+    fd_in = os.open(".io/stdin", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o444)
+    data = text.encode()
+    while data:
+        data = data[os.write(fd_in, data):]
+    os.lseek(fd_in, 0, os.SEEK_SET)
+    os.mkfifo(".io/stdout", 0o600)
+    if uid >= 0:
+        os.chown(".io/stdout", uid, uid)
+    r = os.open(".io/stdout", os.O_RDONLY | os.O_NONBLOCK)
+    return fd_in, r, os.open(".io/stdout", os.O_WRONLY)
 
 
 def run_main():
@@ -64,8 +79,8 @@ def run_main():
     return code & 0xFF if -2**63 <= code < 2**63 else 255
 
 
-def run_case(fd_in):
-    r, w = os.pipe()
+def run_case(text):
+    fd_in, r, w = case_files(text)
     child = os.fork()
     if child == 0:
         code = 1
@@ -82,6 +97,7 @@ def run_case(fd_in):
         finally:
             os._exit(code)
     os.close(w)
+    os.close(fd_in)
     deadline = time.monotonic() + params["timeout"]
     out, size, result = [], 0, None
     while result is None:
@@ -89,7 +105,10 @@ def run_case(fd_in):
         if left <= 0:
             result = (-9, b"", 1)
         elif select.select([r], [], [], left)[0]:
-            data = os.read(r, 1 << 16)
+            try:
+                data = os.read(r, 1 << 16)
+            except BlockingIOError:
+                continue
             size += len(data)
             if not data:
                 break
@@ -112,7 +131,7 @@ def run_case(fd_in):
         pass
     if not reaped:
         os.waitpid(child, 0)
-    if params["mode"] != "rlimits":  # in its own PID namespace: whatever escaped the session goes too
+    if params["mode"] != "rlimits":  # in its own PID namespace: whatever escaped the group goes too
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
@@ -125,8 +144,8 @@ def run_case(fd_in):
     return result
 
 
-for fd_in in inputs:
-    rc, out, timed_out = run_case(fd_in)
+for text in inputs:
+    rc, out, timed_out = run_case(text)
     data = b"%d %d %d\n" % (rc, timed_out, len(out)) + out
     while data:
         data = data[os.write(channel, data):]

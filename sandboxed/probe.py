@@ -1,6 +1,7 @@
 """The scorer's start-up probe (rewards._probe_bwrap): one sandbox as responses get it must find the kernel
 keyring, new namespaces and file locks refused, its own directory writable, itself the OOM killer's first
-choice, inside its cgroups where it was handed them; and whether its /proc shows the host's files."""
+choice, inside its cgroups where it was handed them (as the kernel reported them to limit.bound before /proc
+went); and whether a /proc is still there."""
 
 import ctypes
 import errno
@@ -9,7 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the program's own folder off sys.path
-from limit import limit, params, unpack  # noqa: E402
+from limit import limit, params, seen, unpack  # noqa: E402
 
 unpack()
 limit(*params["limits"])
@@ -24,14 +25,9 @@ with open("probe", "w") as f:
     except OSError as e:
         locks = e.errno != errno.ENOLCK
 
-with open("/proc/self/oom_score_adj") as f:
-    oom = f.read().strip() != "1000"
-with open("/proc/self/cgroup") as f:
-    joined = f.read()
-unbounded = joined.count(f"/{params['cgroup_name']}/") < len(params["cgroup"])  # a line per hierarchy joined
-# /proc holds the sandbox's processes only, no host-wide file (limit.private_proc), where the mount was allowed
-host = any(not e.isdigit() and e not in ("self", "thread-self") for e in os.listdir("/proc"))
-
+oom = seen["oom"] != "1000"
+unbounded = seen["cgroup"].count(f"/{params['cgroup_name']}/") < len(params["cgroup"])  # a line per hierarchy joined
+host = os.path.exists("/proc/self")  # limit.hide_proc unmounts it where the sandbox may
 print("keyring reachable" if keyring else "namespaces allowed" if namespace else "locks shared" if locks else
       "not the OOM killer's first choice" if oom else "outside its cgroup" if unbounded else
       "isolated, the host's /proc in view" if host else "isolated", flush=True)

@@ -108,12 +108,18 @@ SHARED_STATE_RULES = (
     # Extended attributes and ACLs are kernel memory outside the tmpfs's size (6 GiB pinned by one sandbox):
     # EOPNOTSUPP, as from a filesystem without them (shutil.copystat and cp skip them then).
     *((name, errno.EOPNOTSUPP, None) for name in ("setxattr", "lsetxattr", "fsetxattr", "setxattrat")),
-    # Sockets of every family but AF_UNIX (1). The sandbox has no network (its namespace holds a loopback only),
-    # and an inet socket's buffers are charged to the host's TCP and UDP pools (tcp_mem, which the trainer's own
-    # connections share), not to the sandbox's memory cgroup (issue #50: 1 GiB beside a 1.5 GiB sandbox). Netlink and
-    # packet sockets read the kernel's state. EAFNOSUPPORT, as for a family the kernel lacks; AF_UNIX's buffers
-    # count in the sandbox's memory.
-    ("socket", errno.EAFNOSUPPORT, (0, ">=", 2)), ("socketpair", errno.EAFNOSUPPORT, (0, ">=", 2)),
+    # Pipes, sockets and the other objects the kernel numbers from one counter for the whole host (their inodes:
+    # pipefs, sockfs, shmem's internal mount, mqueue, secretmem; pidfs's from every process the host starts),
+    # which any fstat of one reads and making one moves (tests/test_channel_scan.py found them a channel between
+    # sandboxes). Nothing a response needs: the reference harnesses (human-eval's reliability_guard) take
+    # subprocesses away too, and the sandbox has no network. Sockets of every family EAFNOSUPPORT, as for a family
+    # the kernel lacks (an inet socket's buffers would also be charged to the host's tcp_mem, issue #50); the rest
+    # EPERM; clone with CLONE_PIDFD (0x1000) too. The case runner hands stdin and stdout as files of the
+    # sandbox's own tmpfs instead (sandboxed/case_runner.py).
+    ("socket", errno.EAFNOSUPPORT, None), ("socketpair", errno.EAFNOSUPPORT, None),
+    *((name, errno.EPERM, None) for name in ("pipe", "pipe2", "memfd_create", "memfd_secret", "mq_open",
+                                             "pidfd_open", "pidfd_getfd", "userfaultfd")),
+    ("clone", errno.EPERM, (0, "&", 0x1000)),
     # The host's counters outside files, which tests/test_channel_scan.py found moving with another sandbox:
     # sysinfo (the host's free memory, load and process count: sysconf's _SC_AVPHYS_PAGES) ENOSYS, as on a
     # kernel without it; a socket's cookie (SO_COOKIE, 57, and SO_NETNS_COOKIE, 71, at any level: the kernel
@@ -131,9 +137,9 @@ SHARED_STATE_RULES = (
 _UNIFIED_SYSCALLS = {"cachestat": 451, "setxattrat": 463}
 _CLONE_NEW = (0x80, 0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
 
-# As root, every sandbox's /proc holds its own processes only (sandboxed/limit.py, private_proc: procfs's
-# subset=pid), none of the kernel's host-wide counters; tests/test_channel_scan.py's control turns it off.
-PRIVATE_PROC = True
+# As root, a sandboxed program has no /proc (sandboxed/limit.py, hide_proc); tests/test_channel_scan.py's
+# control turns that off.
+HIDE_PROC = True
 _TMP_ROOT: str | None = None  # a worker's directory for the weaker modes' sandboxes (see _spawn)
 _IN_WORKER = False  # a scoring worker: the start-up line is its parent's to print
 SANDBOX_MODES = ("bwrap", "unshare", "rlimits")  # strongest first; the weaker two only on request
@@ -198,11 +204,12 @@ def bound_line(mode: str) -> str:
 
 def _probe_bwrap() -> None:
     """One sandbox as responses get it: it must start (bubblewrap 0.8 or newer, for the size-limited
-    directory), find the keyring, new namespaces and file locks refused, and its own directory writable. Its
-    /proc must be its own (limit.private_proc) where this scorer can mount (it mounted the probe's tmpfs);
-    where it cannot (unprivileged, or a container without CAP_SYS_ADMIN) a warning says the host's is seen."""
+    directory), find the keyring, new namespaces and file locks refused, and its own directory writable. It
+    must have no /proc (limit.hide_proc) where this scorer can mount (it mounted the probe's tmpfs); where it
+    cannot (unprivileged, or a container without CAP_SYS_ADMIN) a warning says the host's is seen."""
     try:
-        with _sandbox({}, "probe", 10, {"add_key": _syscall_number("add_key"), "cgroup_name": _CGROUP_NAME},
+        with _sandbox({}, "probe", 10, {"add_key": _syscall_number("add_key"), "cgroup_name": _CGROUP_NAME,
+                                        "probe": True},
                       talk=True, mode="bwrap") as proc:
             out, err = proc.communicate(timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
@@ -249,10 +256,17 @@ def _bwrap_prefix(seccomp_fd: int, tmpfs: str | None = None) -> list[str]:
     # (bubblewrap's user namespace makes it their owner): both read-only once set up.
     own = ["--bind", tmpfs, "/sandbox"] if tmpfs else ["--size", str(CODE_MAX_DISK_BYTES), "--perms", "1777",
                                                        "--tmpfs", "/sandbox"]
-    # /proc/sys is the host's (fs/inode-nr and file-nr move with other sandboxes' files): an empty one.
+    # /proc is there for the sandbox's set-up only (sandboxed/limit.py unmounts it where it may); where it stays,
+    # /proc/sys is not the host's (fs/inode-nr and file-nr move with other sandboxes' files): an empty one.
+    # /dev holds the device nodes a program opens, and stdin and stdout as paths to the files the case runner
+    # makes them (.io), not bubblewrap's links into /proc/self/fd.
+    dev = [x for node in ("null", "zero", "full", "random", "urandom") for x in ("--dev-bind", f"/dev/{node}",
+                                                                               f"/dev/{node}")]
+    io = [x for name in ("stdin", "stdout") for x in ("--symlink", f"/sandbox/.io/{name}", f"/dev/{name}")]
     return ["bwrap", *binds, *own, "--symlink", "/sandbox", "/tmp", "--proc", "/proc", "--perms", "0555",
-            "--tmpfs", "/proc/sys", "--remount-ro", "/proc/sys", "--dev", "/dev", "--remount-ro", "/dev",
-            "--remount-ro", "/", "--chdir", "/sandbox", "--unshare-net", "--unshare-pid", "--unshare-ipc",
+            "--tmpfs", "/proc/sys", "--remount-ro", "/proc/sys", "--perms", "0755", "--tmpfs", "/dev", *dev, *io,
+            "--symlink", "null", "/dev/stderr", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/sandbox",
+            "--unshare-net", "--unshare-pid", "--unshare-ipc",
             "--unshare-uts", "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd)]
 
 
@@ -898,7 +912,7 @@ def _sandbox(files: dict[str, str], program: str, timeout: float, params: dict, 
         bundle = _fd_holding(marshal.dumps((files, data)))
         seccomp = _fd_holding(seccomp_program, pipe=True) if seccomp_program is not None else None
         params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode, "cgroup": cgroup,
-                  "private_proc": PRIVATE_PROC and mode == "bwrap"}
+                  "hide_proc": HIDE_PROC and mode == "bwrap"}
         # -B: nothing written beside the programs (their folder is read-only in the sandbox, the project's outside)
         where = "/prog" if mode == "bwrap" else str(SANDBOXED)
         python = [_sandbox_python(mode), "-I", "-B", f"{where}/{program}.py", marshal.dumps(params).hex()]
@@ -910,19 +924,42 @@ def _sandbox(files: dict[str, str], program: str, timeout: float, params: dict, 
             cmd = python
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         pipe_if_talk = subprocess.PIPE if talk else subprocess.DEVNULL
+        fifos = _fifos(tmpfs) if talk and tmpfs else None
         try:
-            proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=pipe_if_talk, stdout=subprocess.PIPE,
-                                    stderr=pipe_if_talk, start_new_session=True,
+            proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=fifos[0][0] if fifos else pipe_if_talk,
+                                    stdout=fifos[1][1] if fifos else subprocess.PIPE,
+                                    stderr=fifos[2][1] if fifos else pipe_if_talk, start_new_session=True,
                                     pass_fds=[fd for fd in (bundle, seccomp, *cgroup) if fd is not None])
         finally:  # the sandbox holds its own copies
-            for fd in (bundle, seccomp):
+            for fd in (bundle, seccomp, *((fifos[0][0], fifos[1][1], fifos[2][1]) if fifos else ())):
                 if fd is not None:
                     os.close(fd)
+        if fifos:
+            proc.stdin, proc.stdout, proc.stderr = (open(fifos[0][1], "wb", buffering=0),
+                                                    open(fifos[1][0], "rb", buffering=0),
+                                                    open(fifos[2][0], "rb", buffering=0))
         try:
             with _watchdog(proc, on=not cgroup):
                 yield proc
         finally:
             _kill_group(proc)
+
+
+def _fifos(tmpfs: str) -> list[tuple[int, int]]:
+    """(reading end, writing end) of three FIFOs in the sandbox's own tmpfs, for its stdin, stdout and stderr: a
+    pipe's inode is numbered from a counter of the whole host, which the program could read with fstat on the
+    descriptors it is handed; a FIFO's inode is its tmpfs's own. The ends the sandbox gets block; the scorer's
+    do not (it waits on them with select)."""
+    os.makedirs(os.path.join(tmpfs, ".channel"), mode=0o700, exist_ok=True)
+    ends = []
+    for name in ("in", "out", "prints"):
+        path = os.path.join(tmpfs, ".channel", name)
+        os.mkfifo(path, 0o600)
+        r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a reader first, so that opening the writer cannot wait
+        w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.set_blocking(r if name == "in" else w, True)
+        ends.append((r, w))
+    return ends
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -64,9 +64,21 @@ PROBES = [
     ("lsetxattr", None, errno.EOPNOTSUPP, [b"/no-such-file", b"user.x", b"x", 1, 0]),
     ("fsetxattr", None, errno.EOPNOTSUPP, [BAD_FD, b"user.x", b"x", 1, 0]),
     ("setxattrat", None, errno.EOPNOTSUPP, [BAD_FD, b"x", 0, b"user.x", 0, 0]),
-    # sockets other than AF_UNIX: an AF_INET stream socket (the kernel makes it), an AF_INET socketpair (EOPNOTSUPP)
-    ("socket", 2, errno.EAFNOSUPPORT, [2, 1, 0]),
-    ("socketpair", 2, errno.EAFNOSUPPORT, [2, 1, 0, PAGE]),
+    # what the kernel numbers from a host-wide counter: an AF_UNIX socket and socketpair, a pipe (its two
+    # descriptors into a page of its own), a memfd, a secret memory area, a message queue of its own IPC namespace,
+    # a pidfd of the sandbox's init, one of no descriptor, a user-mode userfaultfd, clone with CLONE_PIDFD (and
+    # CLONE_SIGHAND without CLONE_VM: the kernel's EINVAL)
+    ("socket", None, errno.EAFNOSUPPORT, [1, 1, 0]),
+    ("socketpair", None, errno.EAFNOSUPPORT, [1, 1, 0, PAGE]),
+    ("pipe", None, errno.EPERM, [PAGE]),
+    ("pipe2", None, errno.EPERM, [PAGE, 0]),
+    ("memfd_create", None, errno.EPERM, [b"probe", 0]),
+    ("memfd_secret", None, errno.EPERM, [0]),
+    ("mq_open", None, errno.EPERM, [b"probe", 0o102, 0o600, 0]),
+    ("pidfd_open", None, errno.EPERM, [1, 0]),
+    ("pidfd_getfd", None, errno.EPERM, [BAD_FD, 0, 0]),
+    ("userfaultfd", None, errno.EPERM, [1]),
+    ("clone", 0x1000, errno.EPERM, [0x1000 | 0x800, 0, 0, 0, 0]),
     # the host's counters: sysinfo into a page of its own; a cookie of no descriptor (EBADF from the kernel)
     ("sysinfo", None, errno.ENOSYS, [PAGE]),
     ("setsid", None, errno.EPERM, [CHILD]),  # in a child, not its group's leader (the program leads bubblewrap's)

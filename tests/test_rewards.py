@@ -476,17 +476,32 @@ def test_tests_use_the_preludes_helpers_not_the_solutions():
 
 @needs_isolation
 def test_checking_process_is_out_of_reach(clean_machine):
-    """The sandbox sees its own processes only (no checker, no pytest), and cannot signal the scorer."""
+    """The sandbox sees no process but its own few (no /proc at all, no checker, no pytest) and cannot signal the
+    scorer: its pid and the server's parent's are not in the sandbox's PID namespace."""
     if sandbox.sandbox_mode() != "bwrap":
-        pytest.skip("only bubblewrap mounts a /proc of the sandbox's own")
-    probe = ("import os, signal\ndef f():\n    seen = []\n    for p in os.listdir('/proc'):\n        if p.isdigit():\n"
-             "            try:\n                seen.append(open(f'/proc/{p}/cmdline').read())\n"
-             "            except OSError:\n                pass\n"
+        pytest.skip("only bubblewrap gives the sandbox a PID namespace and hides /proc")
+    probe = ("import os, signal\ndef f():\n    alive = []\n    for pid in range(1, 4096):\n        try:\n"
+             "            os.kill(pid, 0)\n            alive.append(pid)\n        except OSError:\n            pass\n"
              f"    for pid in (os.getppid(), {os.getpid()}):\n        try:\n            os.kill(pid, signal.SIGKILL)\n"
-             "        except OSError:\n            pass\n    return seen\n")
-    test = ("def check(candidate):\n    seen = candidate()\n    assert 0 < len(seen) <= 2, seen\n"
-            "    assert not any('pytest' in s or 'test.py' in s or 'check(candidate)' in s for s in seen), seen")
+             "        except OSError:\n            pass\n    return [os.path.exists('/proc/self'), alive]\n")
+    test = "def check(candidate):\n    proc, alive = candidate()\n    assert not proc and 0 < len(alive) <= 2, alive"
     assert code_reward(fenced(probe), function_tests(test)) == 1.0
+
+
+@pytest.mark.slow  # a worker killed and replaced, and the control's 5 s deadline
+def test_the_checks_own_cpu_on_a_returned_value_is_bounded(clean_machine, monkeypatch):
+    """Ints that all hash alike, which the benchmark's check puts in a set: seconds of the scorer's CPU (about 11 s
+    here), outside every sandbox's limit. The worker ends at CODE_CHECK_CPU_S (an error: the worker died), well
+    before the item's wall deadline; the control, without the bound, runs on to its deadline."""
+    program = fenced("def f():\n    return [k * (2 ** 61 - 1) for k in range(1, 50000)]\n")
+    tests = function_tests("def check(candidate):\n    assert len(set(candidate())) == 3\n")
+    stats = {}
+    assert compute_rewards([program], [tests], ["code"], 1, stats=stats) == [0.0]
+    assert stats == {"timeouts": 0, "errors": 1}
+    monkeypatch.setattr(rewards, "CODE_CHECK_CPU_S", None)
+    assert compute_rewards([program], [tests], ["code"], 1, stats=stats, timeout=5) == [0.0]
+    assert stats == {"timeouts": 1, "errors": 0}
+    assert compute_rewards([fenced("def f():\n    return [1, 2, 3]\n")], [tests], ["code"], 1) == [1.0]
 
 
 # -- code: stdio tests, all cases of a response in one sandbox start -----------------------------------
@@ -504,8 +519,10 @@ def test_stdio_cases_share_one_sandbox_start(monkeypatch):
 def test_each_case_reads_only_its_own_input(clean_machine):
     """No case finds another's input: not on stdin, not in the sandbox's files, not through /proc."""
     spy = ("import glob, os, sys\nown = sys.stdin.read()\nfound = set()\n"
-           "for path in glob.glob('/sandbox/*') + glob.glob('/tmp/*') + glob.glob('/proc/[0-9]*/fd/*'):\n"
-           "    try:\n        found.add(open(path).read(100))\n    except Exception:\n        pass\n"
+           "for path in glob.glob('/sandbox/*') + glob.glob('/sandbox/.*/*') + glob.glob('/tmp/*')\\\n"
+           "        + glob.glob('/proc/[0-9]*/fd/*'):\n"
+           "    try:\n        found.add(open(path, 'rb', buffering=0).read(100).decode()\\\n"
+           "                  if os.stat(path).st_size else '')\n    except Exception:\n        pass\n"
            "print(own, sorted(s for s in found if s.startswith('secret-') and s != own))")
     tests = {"stdio": [{"input": f"secret-{i}", "output": f"secret-{i} []"} for i in range(3)]}
     assert code_reward(fenced(spy), tests) == 1.0

@@ -197,8 +197,9 @@ if CLEAR:  # the keyring control leaves nothing in the kernel
 print("uid", os.getuid(), "found", sorted(found), flush=True)
 '''
 
-# What one sandbox can pass to itself (written, then read back in the same sandbox): the probes work.
-WITHIN_ONE_SANDBOX = {"sysv-shm", "sysv-msg", "sysv-sem", "posix-mq", "abstract-socket", "process-name", "file"}
+# What one sandbox can pass to itself (written, then read back in the same sandbox): the probes work. A message
+# queue and a socket it cannot make (the filter), nor read process names without /proc (limit.hide_proc).
+WITHIN_ONE_SANDBOX = {"sysv-shm", "sysv-msg", "sysv-sem", "file"}
 
 
 @pytest.fixture
@@ -238,14 +239,15 @@ def test_each_probe_carries_its_value_within_one_sandbox():
     (_, sent), (_, found) = report(out, "sent"), report(out, "found")
     assert not any(name.startswith("keyring") for name in sent), sent  # refused, even to itself
     assert {"file:/tmp", "file:/sandbox"} <= sent and not sent & {"file:/dev/shm", "file:/var/tmp", "file:/"}, sent
-    assert found >= WITHIN_ONE_SANDBOX, found
+    assert not sent & {"posix-mq", "abstract-socket"} and "process-name" in sent, sent
+    assert found == WITHIN_ONE_SANDBOX, found
 
 
 def test_nothing_reaches_a_later_sandbox():
     value, tag = fresh()
     _, out_w, _ = sandbox.run_sandboxed(writer(value, tag), timeout=10)
     _, out_r, _ = sandbox.run_sandboxed(reader(value, tag), timeout=10)
-    assert report(out_w, "sent")[1] >= {"sysv-shm", "posix-mq", "file:/tmp"}, out_w
+    assert report(out_w, "sent")[1] >= {"sysv-shm", "file:/tmp"}, out_w
     assert report(out_r, "found")[1] == set(), out_r
 
 
@@ -263,7 +265,7 @@ def test_nothing_reaches_a_sandbox_running_beside_it():
     run("reader", reader(value, tag))
     held.join()
     (uid_w, sent), (uid_r, found) = report(outs["writer"], "sent"), report(outs["reader"], "found")
-    assert {"abstract-socket", "process-name", "sysv-shm"} <= sent, outs["writer"]
+    assert {"process-name", "sysv-shm"} <= sent, outs["writer"]
     assert found == set(), outs["reader"]
     assert os.geteuid() != 0 or (uid_w != uid_r and {uid_w, uid_r} <= set(sandbox.SANDBOX_UIDS))
 
@@ -320,17 +322,18 @@ OWN_NAMESPACE = (f"import os, sys\nopen('inner.py', 'w').write({_OWN_NAMESPACE!r
 
 def test_no_namespace_of_its_own(monkeypatch):
     """unshare and clone with CLONE_NEW* flags are refused, while threads (clone3 answers ENOSYS, the C
-    library falls back to clone), fork and subprocesses work; without the filter's namespace rules the
+    library falls back to clone), fork and exec work; without the filter's namespace rules the
     program mounts a tmpfs of its own and writes four times its disk bound into memory."""
     out = sandbox.run_sandboxed(OWN_NAMESPACE, timeout=10)[1]
     assert out.split() == ["unshare", "-1", "1"], out  # EPERM
     clone = sandbox._syscall_number("clone")
-    works = ("import ctypes, os, subprocess, sys, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-             f"print(libc.syscall({clone}, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno())\n"
-             "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
-             "print(subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True, text=True).stdout.strip())")
+    works = ("import ctypes, os, sys, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             f"print(libc.syscall({clone}, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno(), flush=True)\n"
+             "t = threading.Thread(target=print, args=('thread',), kwargs={'flush': True})\nt.start()\nt.join()\n"
+             "if os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-c', 'print(5)'])\nos.wait()")
     assert sandbox.run_sandboxed(works, timeout=10)[1].split() == ["-1", "1", "thread", "5"]
     monkeypatch.setattr(sandbox, "REFUSED_SYSCALLS", ("add_key", "keyctl", "request_key"))
+    monkeypatch.setattr(sandbox, "HIDE_PROC", False)  # its uid map is written through /proc
     out = sandbox.run_sandboxed(OWN_NAMESPACE, timeout=10)[1]
     assert int(out.split("wrote")[1]) == 256 << 20 > 4 * sandbox.CODE_MAX_DISK_BYTES - 1, out
 
@@ -595,7 +598,7 @@ def tcp_memory_pages() -> int:
 @pytest.mark.slow  # a sandbox start and the probe's, about 5 s (the quick tier stays under 3 minutes)
 def test_a_loopback_tcp_filler_holds_no_kernel_memory_outside_its_budget():
     """Socket buffers of inet sockets are charged to the host's TCP pool, not to the sandbox's memory cgroup: a
-    sandbox gets AF_UNIX sockets only (the filter), so the filler gets no socket and the host's TCP memory does
+    sandbox gets no socket at all (the filter), so the filler gets none and the host's TCP memory does
     not grow by what it would have sent (1 GiB beside a 1.5 GiB sandbox, unfiltered)."""
     before = tcp_memory_pages()
     rc, out, _ = sandbox.run_sandboxed(TCP_FILLER, timeout=10)
@@ -935,14 +938,15 @@ def test_kernel_memory_is_bounded_per_sandbox(clean_machine):
 
 
 @as_root
-def test_the_hosts_proc_is_not_there():
+def test_a_sandboxed_program_has_no_proc():
     """/proc/sys/fs/inode-nr and file-nr move with other sandboxes' files, /proc/vmstat with their memory,
-    /proc/loadavg with their threads: the sandbox's /proc holds its own processes only (procfs's subset=pid)."""
-    program = "import os\nprint(sorted(e for e in os.listdir('/proc') if not e.isdigit()))"
+    /proc/loadavg with their threads, /proc/self/smaps with who else maps a page: a sandboxed program has no /proc
+    (limit.hide_proc). /dev/stdin and /dev/stdout, which stdio solutions open, are the case's own files there."""
+    program = "import os\nprint(os.path.exists('/proc'), os.listdir('/proc'))"
     assert os.path.exists("/proc/sys/fs/inode-nr") and os.path.exists("/proc/vmstat")
-    assert sandbox.run_sandboxed(program, timeout=10)[1].strip() == "['self', 'thread-self']"
-    # what programs still need it for: /dev/stdin (a link to /proc/self/fd/0), as stdio solutions open it
-    assert sandbox.run_sandboxed("print(open('/dev/stdin').read().split())", "3 4\n", timeout=10)[1] == "['3', '4']\n"
+    assert sandbox.run_sandboxed(program, timeout=10)[1] == "True []\n"
+    program = "print(open('/dev/stdin').read().split())\nopen('/dev/stdout', 'w').write('then\\n')\nprint('last')"
+    assert sandbox.run_sandboxed(program, "3 4\n", timeout=10)[1] == "then\n['3', '4']\nlast\n"
 
 
 # -- what one sandbox holds, all its processes together --------------------------------------------------
@@ -1003,18 +1007,27 @@ def test_the_watchdog_bounds_it_where_no_cgroup_can(probed, monkeypatch):
 
 
 def test_a_sandbox_dies_first_when_the_host_runs_short():
-    program = ("import os\nr, w = os.pipe()\nif os.fork() == 0:\n"
-               "    os.write(w, open('/proc/self/oom_score_adj').read().encode())\n    os._exit(0)\n"
-               "print(open('/proc/self/oom_score_adj').read().strip(), os.read(r, 16).decode().strip())")
-    assert sandbox.run_sandboxed(program, timeout=10)[1].split() == ["1000", "1000"]
+    """Every process of a sandbox, its program's children too, is the host OOM killer's first choice (read here, in
+    the host's /proc: the program has none)."""
+    program = "import os, time\nif os.fork() == 0:\n    time.sleep(5)\n    os._exit(0)\ntime.sleep(5)\n"
+    with sandbox._sandbox({"main.py": program}, "case_runner", 10, {"timeout": 10, "cap": 64}, data=[""]) as proc:
+        deadline = time.monotonic() + 5
+        while len(pids := sandbox._sandbox_tree(proc.pid)) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)  # bubblewrap and its init, the runner, the case, its child
+        scores = {}
+        for pid in pids:
+            with open(f"/proc/{pid}/comm") as f, open(f"/proc/{pid}/oom_score_adj") as g:
+                if f.read().strip() != "bwrap":
+                    scores[pid] = g.read().strip()
+    assert len(scores) == 3 and set(scores.values()) == {"1000"}, scores
 
 
 @as_root
 def test_the_hosts_proc_refuses_scoring_only_where_the_scorer_could_have_mounted_its_own(monkeypatch, caplog):
-    """The private /proc missing (PRIVATE_PROC off stands for a refused mount): a scorer that mounts (root with
+    """/proc left in view (HIDE_PROC off stands for a refused unmount): a scorer that mounts (root with
     CAP_SYS_ADMIN) refuses code rewards in one line; one that cannot (unprivileged, or a container without the
     capability, where bubblewrap's tmpfs is used too) goes on and warns."""
-    monkeypatch.setattr(sandbox, "PRIVATE_PROC", False)
+    monkeypatch.setattr(sandbox, "HIDE_PROC", False)
     with pytest.raises(sandbox.SandboxUnavailable, match="the host's /proc in view"):
         sandbox._probe_bwrap()
     monkeypatch.setattr(sandbox, "_can_mount", False)
