@@ -101,11 +101,11 @@ def contention_capacity(window: float, n: int = 64, spinners: int = 16, writers:
     t0 = time.monotonic() + 1.5
     got = []
     threads = [threading.Thread(target=lambda: got.append(
-        sandbox.run_sandboxed(_ship(contention_writer, t0, window, bits, spinners), timeout=30)))
+        sandbox.run_sandboxed(_ship(contention_writer, t0, window, bits, spinners), timeout=n * window + 10)))
         for _ in range(writers)]
     for thread in threads:
         thread.start()
-    rc, out, _ = sandbox.run_sandboxed(_ship(contention_reader, t0, window, n), timeout=30)
+    rc, out, _ = sandbox.run_sandboxed(_ship(contention_reader, t0, window, n), timeout=n * window + 10)
     for thread in threads:
         thread.join()
     assert rc == 0 and all(w[1].startswith("done") for w in got), (out, got)
@@ -130,7 +130,7 @@ def contention(workers: list[int]) -> None:
     sandbox.sandbox_mode()
     for window in (0.005, 0.01, 0.02, 0.05, 0.1):
         for writers in sorted({1, *(max(1, w - 1) for w in workers)}):
-            p, bits = contention_capacity(window, n=256, writers=writers)
+            p, bits = contention_capacity(window, n=min(256, round(12.8 / window)), writers=writers)
             print(f"window {window * 1000:g} ms, {writers} writer sandbox(es) of 16 spinning processes: error rate "
                   f"{p:.3f}, {bits:.1f} bit/s", flush=True)
 
