@@ -205,26 +205,19 @@ def scan_writer(t0: float, period: float, windows: int, every: int = 2) -> None:
                 with open(f"f{i}", "wb") as f:
                     f.write(b"y" * 4096)
                 os.unlink(f"f{i}")
-            try:
-                for _ in range(2000):  # two batches of numbers, whatever CPU the reader takes its own on
-                    for fd in os.pipe():
-                        os.close(fd)
-            except OSError:
-                pass
-            for _ in range(20):
+            # two batches of numbers each, whatever CPU the reader takes its own on (a refusal ends a kind)
+            for make in (os.pipe, socket.socketpair, lambda: [os.memfd_create("w")]):
                 try:
-                    a, b = socket.socketpair()
-                    try:
-                        a.getsockopt(socket.SOL_SOCKET, 57, 8)  # SO_COOKIE: numbered on first asking
-                    except OSError:
-                        pass
-                    a.send(b"z" * 4096)
-                    a.close()
-                    b.close()
-                except OSError:
-                    pass
-                try:
-                    os.close(os.memfd_create("w"))
+                    for _ in range(2000):
+                        for end in make():
+                            if isinstance(end, socket.socket):
+                                try:
+                                    end.getsockopt(socket.SOL_SOCKET, 57, 8)  # SO_COOKIE: numbered on first asking
+                                except OSError:
+                                    pass
+                                end.close()
+                            else:
+                                os.close(end)
                 except OSError:
                     pass
             shared = mmap.mmap(-1, 1 << 20)  # shared and anonymous: an inode of shmem's internal mount
