@@ -1469,6 +1469,12 @@ def init_distributed(out_dir: Path, checkpoints: list[Path], world: int, all_gat
     if rank == 0:
         (out_dir / token).write_text("")
     dist.barrier()
+    if not cuda:  # DeepSpeed's CPU all-reduce maps a 66 MB buffer per rank from /dev/shm and never unlinks it
+        # (its shm.cpp): each launch on another port left 66 MB per rank of memory behind. Every rank has mapped
+        # every other's before the barrier above; the name can go, the memory goes with the last rank.
+        with contextlib.suppress(OSError):
+            os.unlink(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+                      f"{os.environ['MASTER_PORT']}_{rank}")
     seen = all_gather(((out_dir / token).exists(), [c.name for c in checkpoints]))
     dist.barrier()
     if rank == 0:
