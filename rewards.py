@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import json
 import logging
-import math
 import os
 import re
 import resource
@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from sandboxed import sandbox
@@ -50,10 +51,10 @@ log = logging.getLogger("rewards")
 # sandboxed program has no /proc, pipe, socket or memfd (docs/rewards.md), and the check's CPU is bounded.
 SCORING_VERSION = 4
 MATH_TIMEOUT_S = 5  # seconds (an int: math-verify hands it to signal.alarm)
-# The scorer's own CPU on one code item (the benchmark's check, decoding what the sandbox returns), outside every
-# sandbox's limits: past it the scoring worker is killed (RLIMIT_CPU) and the item scores 0. The heaviest check of
-# the 421 HumanEval and MBPP reference solutions took 7 ms; one crafted return value (ints that all hash alike,
-# put in a set by the check) took 12.5 s within the item's wall deadline (issue #50).
+# The scorer's own CPU on one code item (the benchmark's check, decoding what the sandbox returns, in the worker's
+# main thread), outside every sandbox's limits: past it the scoring worker is killed (_thread_cpu_alarm) and the
+# item scores 0. The heaviest check of the 421 HumanEval and MBPP reference solutions took 8 ms (docs/rewards.md);
+# one crafted return value (ints that all hash alike, put in a set by the check) took 12.5 s (issue #50).
 CODE_CHECK_CPU_S = 2
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not worth symbolic verification
 
@@ -230,6 +231,33 @@ def score_one(response: str, reference, kind: str, partial: bool = False, timeou
     raise ValueError(f"unknown reward kind {kind!r} (expected 'math' or 'code')")
 
 
+class _ItimerSpec(ctypes.Structure):  # struct itimerspec: the interval, then the first expiry (s, ns)
+    _fields_ = [("interval_s", ctypes.c_long), ("interval_ns", ctypes.c_long), ("value_s", ctypes.c_long),
+                ("value_ns", ctypes.c_long)]
+
+
+def _thread_cpu_alarm() -> Callable[[float], None]:
+    """arm(seconds): SIGXCPU, which ends this process, once this thread has used `seconds` more CPU (0 disarms).
+    The thread's own CPU clock (a POSIX timer on CLOCK_THREAD_CPUTIME_ID), not the process's: the sandbox
+    watchdog's thread is not the check's work; and unlike RLIMIT_CPU it is not inherited by the sandboxes this
+    process starts."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "timer_create"):  # in librt before glibc 2.34
+        libc = ctypes.CDLL("librt.so.1", use_errno=True)
+    event = (ctypes.c_int * 16)()  # struct sigevent: the value (8 bytes), signo, notify (SIGEV_SIGNAL: 0), ...
+    event[2] = signal.SIGXCPU
+    timer = ctypes.c_void_p()
+    if libc.timer_create(3, event, ctypes.byref(timer)) != 0:  # CLOCK_THREAD_CPUTIME_ID
+        raise OSError(ctypes.get_errno(), "timer_create")
+
+    def arm(seconds: float) -> None:
+        spec = _ItimerSpec(0, 0, int(seconds), int(seconds % 1 * 1e9))
+        if libc.timer_settime(timer, 0, ctypes.byref(spec), None) != 0:
+            raise OSError(ctypes.get_errno(), "timer_settime")
+
+    return arm
+
+
 def _worker_main(tmp_root: str, root: str) -> None:
     """A scoring worker: JSON lines in on stdin, JSON lines out on stdout, in its main thread."""
     sandbox.as_worker(tmp_root, root)
@@ -237,19 +265,16 @@ def _worker_main(tmp_root: str, root: str) -> None:
     out = sys.stdout
     sys.stdout = sys.stderr  # stray prints (e.g. from libraries) must not corrupt the channel
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a worker past its CPU bound dies without a core file
-    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    cpu_alarm = _thread_cpu_alarm()
     for line in sys.stdin:
         job = json.loads(line)
-        if job["cpu"]:  # SIGXCPU ends this process once it has used job["cpu"] more CPU seconds (ceil'd)
-            bound = math.ceil(sum(resource.getrusage(resource.RUSAGE_SELF)[:2])) + job["cpu"]
-            resource.setrlimit(resource.RLIMIT_CPU, (bound if hard == resource.RLIM_INFINITY else min(bound, hard),
-                                                     hard))
+        cpu_alarm(job["cpu"] or 0)
         try:
             score = score_one(job["response"], job["reference"], job["kind"], job["partial"], job["timeout"])
             err = None
         except Exception as e:  # noqa: BLE001 - reported as an error count, scored 0
             score, err = 0.0, repr(e)[:200]
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+        cpu_alarm(0)
         out.write(json.dumps({"i": job["i"], "score": score, "error": err}) + "\n")
         out.flush()
 

@@ -28,21 +28,26 @@ if same_user:  # cases run as this user: make this process unreadable to them th
     prctl = ctypes.CDLL(None).prctl
     prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
 os.makedirs(".io", 0o755, exist_ok=True)
-stdin = os.open(".io/stdin", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o444)  # this descriptor writes it, no case can
-os.mkfifo(".io/stdout", 0o600)
-if uid >= 0:
-    os.chown(".io/stdout", uid, uid)
 
 
 def case_files(text):
     """.io/stdin, a file holding the case's input, readable and not writable by the case; .io/stdout, a FIFO (a
     pipe by its path: /dev/stdout opened by the program writes into it as into the pipe a harness hands), its
-    reading end here. Made once, in a directory only this runner writes (as root); each case opens them anew
-    (what an earlier case left in the FIFO went with its last descriptor, closed when that case was killed)."""
-    os.ftruncate(stdin, 0)
-    data, at = text.encode(), 0
-    while at < len(data):
-        at += os.pwrite(stdin, data[at:], at)
+    reading end here. Both made anew for each case, in a directory only this runner writes (as root): a process
+    of an earlier case still dying holds the old ones, not these."""
+    for name in ("stdin", "stdout"):
+        try:
+            os.unlink(".io/" + name)
+        except FileNotFoundError:
+            pass
+    fd = os.open(".io/stdin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+    data = text.encode()
+    while data:
+        data = data[os.write(fd, data):]
+    os.close(fd)
+    os.mkfifo(".io/stdout", 0o600)
+    if uid >= 0:
+        os.chown(".io/stdout", uid, uid)
     r = os.open(".io/stdout", os.O_RDONLY | os.O_NONBLOCK)
     return os.open(".io/stdin", os.O_RDONLY), r, os.open(".io/stdout", os.O_WRONLY)
 

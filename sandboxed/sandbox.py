@@ -120,6 +120,10 @@ SHARED_STATE_RULES = (
     *((name, errno.EPERM, None) for name in ("pipe", "pipe2", "memfd_create", "memfd_secret", "mq_open",
                                              "pidfd_open", "pidfd_getfd", "userfaultfd")),
     ("clone", errno.EPERM, (0, "&", 0x1000)),
+    # Perf events and BPF objects are numbered from host-wide counters too (an event's id, read with
+    # PERF_FORMAT_ID; a map's or program's id), and a perf event reads the CPU's own counters: ENOSYS, as from a
+    # kernel built without them (Docker's default profile refuses both).
+    ("perf_event_open", errno.ENOSYS, None), ("bpf", errno.ENOSYS, None),
     # The host's counters outside files, which tests/test_channel_scan.py found moving with another sandbox:
     # sysinfo (the host's free memory, load and process count: sysconf's _SC_AVPHYS_PAGES) ENOSYS, as on a
     # kernel without it; a socket's cookie (SO_COOKIE, 57, and SO_NETNS_COOKIE, 71, at any level: the kernel
@@ -930,6 +934,10 @@ def _sandbox(files: dict[str, str], program: str, timeout: float, params: dict, 
                                     stdout=fifos[1][1] if fifos else subprocess.PIPE,
                                     stderr=fifos[2][1] if fifos else pipe_if_talk, start_new_session=True,
                                     pass_fds=[fd for fd in (bundle, seccomp, *cgroup) if fd is not None])
+        except BaseException:
+            for fd in (fifos[0][1], fifos[1][0], fifos[2][0]) if fifos else ():
+                os.close(fd)
+            raise
         finally:  # the sandbox holds its own copies
             for fd in (bundle, seccomp, *((fifos[0][0], fifos[1][1], fifos[2][1]) if fifos else ())):
                 if fd is not None:
@@ -952,13 +960,17 @@ def _fifos(tmpfs: str) -> list[tuple[int, int]]:
     do not (it waits on them with select)."""
     os.makedirs(os.path.join(tmpfs, ".channel"), mode=0o700, exist_ok=True)
     ends = []
-    for name in ("in", "out", "prints"):
-        path = os.path.join(tmpfs, ".channel", name)
-        os.mkfifo(path, 0o600)
-        r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a reader first, so that opening the writer cannot wait
-        w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-        os.set_blocking(r if name == "in" else w, True)
-        ends.append((r, w))
+    try:
+        for name in ("in", "out", "prints"):
+            path = os.path.join(tmpfs, ".channel", name)
+            os.mkfifo(path, 0o600)
+            ends.append((os.open(path, os.O_RDONLY | os.O_NONBLOCK), -1))  # a reader first: the writer cannot wait
+            ends[-1] = (ends[-1][0], os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            os.set_blocking(ends[-1][0 if name == "in" else 1], True)
+    except OSError:
+        for fd in (fd for pair in ends for fd in pair if fd >= 0):
+            os.close(fd)
+        raise
     return ends
 
 

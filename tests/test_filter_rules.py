@@ -79,6 +79,9 @@ PROBES = [
     ("pidfd_getfd", None, errno.EPERM, [BAD_FD, 0, 0]),
     ("userfaultfd", None, errno.EPERM, [1]),
     ("clone", 0x1000, errno.EPERM, [0x1000 | 0x800, 0, 0, 0, 0]),
+    # a perf event and a BPF map of attributes at a bad address (EFAULT, or EPERM where unprivileged BPF is off)
+    ("perf_event_open", None, errno.ENOSYS, [1, 0, -1, -1, 0]),
+    ("bpf", None, errno.ENOSYS, [0, 1, 72]),
     # the host's counters: sysinfo into a page of its own; a cookie of no descriptor (EBADF from the kernel)
     ("sysinfo", None, errno.ENOSYS, [PAGE]),
     ("setsid", None, errno.EPERM, [CHILD]),  # in a child, not its group's leader (the program leads bubblewrap's)
