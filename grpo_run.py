@@ -1442,6 +1442,18 @@ def nonfinite_weights(engine, all_reduce: Callable) -> int:
     return int(all_reduce([torch.stack(counts).sum().item()]).item())
 
 
+def unlink_cpu_allreduce_buffer() -> None:
+    """DeepSpeed's CPU all-reduce maps a 66 MB buffer per rank from /dev/shm and never unlinks it (its shm.cpp):
+    each launch on another port left 66 MB a rank of memory behind. After deepspeed.init_distributed every rank has
+    mapped every other's once all are past a barrier; then the name can go, the memory goes with the last rank."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    with contextlib.suppress(OSError):
+        os.unlink(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+                  f"{os.environ['MASTER_PORT']}_{dist.get_rank()}")
+
+
 def init_distributed(out_dir: Path, checkpoints: list[Path], world: int, all_gather: Callable) -> tuple[int, int]:
     """Join the launcher's process group (NCCL on CUDA, gloo on the CPU); (rank, local rank).
     Every rank must see the same run: the output directory is shared between nodes (`all_gather`: the
@@ -1460,6 +1472,8 @@ def init_distributed(out_dir: Path, checkpoints: list[Path], world: int, all_gat
     # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
     with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if not cuda:
+        unlink_cpu_allreduce_buffer()
     if not cuda:  # after the first start's JIT build of DeepSpeed's CPU comm op, which may use every core
         # ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
         pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
@@ -1469,12 +1483,6 @@ def init_distributed(out_dir: Path, checkpoints: list[Path], world: int, all_gat
     if rank == 0:
         (out_dir / token).write_text("")
     dist.barrier()
-    if not cuda:  # DeepSpeed's CPU all-reduce maps a 66 MB buffer per rank from /dev/shm and never unlinks it
-        # (its shm.cpp): each launch on another port left 66 MB per rank of memory behind. Every rank has mapped
-        # every other's before the barrier above; the name can go, the memory goes with the last rank.
-        with contextlib.suppress(OSError):
-            os.unlink(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
-                      f"{os.environ['MASTER_PORT']}_{rank}")
     seen = all_gather(((out_dir / token).exists(), [c.name for c in checkpoints]))
     dist.barrier()
     if rank == 0:

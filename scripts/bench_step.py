@@ -476,6 +476,7 @@ def update_benchmark(args) -> None:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     if not cuda:
+        grpo_run.unlink_cpu_allreduce_buffer()
         grpo_run.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
     rank, device = dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=max(4096, args.prompt_len + args.response_len),
@@ -636,6 +637,7 @@ def main() -> None:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     if not cuda:  # as the trainer does
+        grpo_run.unlink_cpu_allreduce_buffer()
         grpo_run.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
