@@ -1443,8 +1443,8 @@ def nonfinite_weights(engine, all_reduce: Callable) -> int:
 
 
 def unlink_cpu_allreduce_buffer() -> None:
-    """DeepSpeed's CPU all-reduce maps a 66 MB buffer per rank from /dev/shm and never unlinks it (its shm.cpp):
-    each launch on another port left 66 MB a rank of memory behind. After deepspeed.init_distributed every rank has
+    """DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank from /dev/shm and never unlinks it (its shm.cpp):
+    each launch on another port left 66 MiB a rank of memory behind. After deepspeed.init_distributed every rank has
     mapped every other's once all are past a barrier; then the name can go, the memory goes with the last rank."""
     import torch.distributed as dist
 
@@ -1472,9 +1472,8 @@ def init_distributed(out_dir: Path, checkpoints: list[Path], world: int, all_gat
     # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
     with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    if not cuda:
-        unlink_cpu_allreduce_buffer()
     if not cuda:  # after the first start's JIT build of DeepSpeed's CPU comm op, which may use every core
+        unlink_cpu_allreduce_buffer()
         # ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
         pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
     transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise

@@ -959,19 +959,19 @@ def _fifos(tmpfs: str) -> list[tuple[int, int]]:
     descriptors it is handed; a FIFO's inode is its tmpfs's own. The ends the sandbox gets block; the scorer's
     do not (it waits on them with select)."""
     os.makedirs(os.path.join(tmpfs, ".channel"), mode=0o700, exist_ok=True)
-    ends = []
+    fds = []  # reading end, writing end, of each in turn
     try:
         for name in ("in", "out", "prints"):
             path = os.path.join(tmpfs, ".channel", name)
             os.mkfifo(path, 0o600)
-            ends.append((os.open(path, os.O_RDONLY | os.O_NONBLOCK), -1))  # a reader first: the writer cannot wait
-            ends[-1] = (ends[-1][0], os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-            os.set_blocking(ends[-1][0 if name == "in" else 1], True)
+            fds.append(os.open(path, os.O_RDONLY | os.O_NONBLOCK))  # a reader first: opening the writer cannot wait
+            fds.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            os.set_blocking(fds[-2] if name == "in" else fds[-1], True)
     except OSError:
-        for fd in (fd for pair in ends for fd in pair if fd >= 0):
+        for fd in fds:
             os.close(fd)
         raise
-    return ends
+    return list(zip(fds[::2], fds[1::2]))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

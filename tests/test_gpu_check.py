@@ -122,7 +122,7 @@ def test_update_benchmark_prints_mfu_and_the_forward_only_batch_cuts_gathers(tmp
                         "0.5", "--update-responses", "16", "--prompt-len", "16", "--response-len", "48", "--repeats",
                         "1", "--out", str(out), port=29675, module=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_29675_*")  # no 66 MB a rank left
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_29675_*")  # no 66 MiB a rank left
     r = json.loads(out.read_text())
     assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] == pytest.approx(r["tflops"] / 0.5)
     assert "(MFU against a peak of 0.5 TFLOP/s)" in res.stdout
