@@ -544,10 +544,13 @@ def next_to_session_hogs(n: int, alone_s: float | None = None, hogs: int = 3) ->
     """CPU_BOUND's seconds alone, and its (exit code, output, timed out) while `hogs` SESSION_HOGs spin (started
     first, and spinning until it is over), within a deadline of 6 times its time alone plus 0.5 s (its fair share
     on 2 cores beside 3 others: half a core, about 2 times slower; one session's share in 49: 25 to 50 times)."""
-    t = time.perf_counter()
-    alone = sandbox.run_sandboxed(CPU_BOUND, f"{n}\n", timeout=20)
-    alone_s = alone_s or time.perf_counter() - t  # (the control takes the measured one's)
-    assert alone[0] == 0 and not alone[2], alone
+    times = []
+    for _ in range(2):  # the faster of two: one run slowed by the suite's last engine must not lengthen the deadline
+        t = time.perf_counter()
+        alone = sandbox.run_sandboxed(CPU_BOUND, f"{n}\n", timeout=20)
+        times.append(time.perf_counter() - t)
+        assert alone[0] == 0 and not alone[2], alone
+    alone_s = min(times + [alone_s or float("inf")])  # (the control keeps the faster of its and the measured one's)
     deadline = 6 * alone_s + 0.5
     threads = [threading.Thread(target=sandbox.run_sandboxed, args=(SESSION_HOG,),
                                 kwargs={"timeout": deadline + 1.5}) for _ in range(hogs)]
@@ -575,8 +578,8 @@ def test_a_correct_sibling_keeps_its_cpu_next_to_hogs_of_many_sessions(probed, m
     monkeypatch.setattr(sandbox, "_cpu", None)
     rules = tuple(r for r in sandbox.seccomp_rules() if r[0] != "setsid")
     monkeypatch.setattr(sandbox, "seccomp_rules", lambda: rules)
-    _, _, starved = next_to_session_hogs(n, alone_s)
-    assert starved[2], starved  # timed out
+    control_s, _, starved = next_to_session_hogs(n, alone_s)
+    assert starved[2], (control_s, starved)  # timed out
 
 
 # Fills loopback TCP connections' buffers (a reader that never reads), as far as it gets.
