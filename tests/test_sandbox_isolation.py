@@ -560,23 +560,25 @@ def next_to_session_hogs(n: int, alone_s: float | None = None, hogs: int = 3) ->
         thread.start()
     time.sleep(1.0)  # the hogs' children spin
     cores = os.sched_getaffinity(0)
-    idle = idle_ticks(cores)
-    beside = sandbox.run_sandboxed(CPU_BOUND, f"{n}\n", timeout=deadline)
-    idle = (idle_ticks(cores) - idle) / os.sysconf("SC_CLK_TCK") / len(cores)
-    base = sandbox._memory_bound()[1]
-    for name in os.listdir(base):
-        if name.isdigit():  # every sandbox still running: the hogs
+    try:
+        idle = idle_ticks(cores)
+        beside = sandbox.run_sandboxed(CPU_BOUND, f"{n}\n", timeout=deadline)
+        idle = (idle_ticks(cores) - idle) / os.sysconf("SC_CLK_TCK") / len(cores)
+    finally:  # every sandbox still running is a hog's
+        base = sandbox._memory_bound()[1]
+        for name in filter(str.isdigit, os.listdir(base)):
             sandbox._kill_cgroup(os.path.join(base, name))
-    for thread in threads:
-        thread.join()
+        for thread in threads:
+            thread.join()
     assert idle < 0.1 * deadline, idle  # the hogs did spin: no core was idle for long
     return alone_s, alone, beside
 
 
 def idle_ticks(cores: set[int]) -> int:
     """The idle time of these cores, summed (/proc/stat's idle column, clock ticks)."""
+    names = {f"cpu{c}" for c in cores}
     with open("/proc/stat") as f:
-        return sum(int(line.split()[4]) for line in f if line.split()[0] in {f"cpu{c}" for c in cores})
+        return sum(int(fields[4]) for fields in map(str.split, f) if fields[0] in names)
 
 
 @as_root
