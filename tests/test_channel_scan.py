@@ -161,10 +161,11 @@ def scan_reader(t0: float, period: float, snapshots: int) -> None:
 
 
 def scan_writer(t0: float, period: float, windows: int, every: int = 2) -> None:
-    """Busy in windows 0, every, 2 * every, ... (the middle 80% of each, so a snapshot at its edges sees it
-    finished), idle otherwise: memory touched, locked, advised and freed, shared and anonymous; processes,
-    sessions and threads; files, FIFOs, pipes, sockets, memfds, eventfds, pidfds and SysV shared memory; timers and
-    signals; CPU."""
+    """Busy in windows 0, every, 2 * every, ... (from 30% to 90% of each: a snapshot reads for up to an eighth of a
+    second, with /proc in view, from each edge, so the one at its start sees nothing of it yet and the one at its
+    end sees it finished, its processes and memory still held), idle otherwise: memory touched, locked, advised
+    and freed, shared and anonymous; processes, sessions and threads; files, FIFOs, pipes, sockets, memfds,
+    eventfds, pidfds and SysV shared memory; timers and signals; CPU."""
     import ctypes
     import mmap
     import os
@@ -245,13 +246,13 @@ def scan_writer(t0: float, period: float, windows: int, every: int = 2) -> None:
 
     for k in range(0, windows, every):
         start = t0 + k * period
-        time.sleep(max(0.0, start + 0.1 * period - time.monotonic()))
+        time.sleep(max(0.0, start + 0.3 * period - time.monotonic()))
         held = b"h" * (32 << 20)  # held over the window's end: what levels show (memory, processes)
         sleepers = []
         for _ in range(16):
             pid = os.fork()
             if pid == 0:
-                time.sleep(period)
+                time.sleep(60)  # until killed, past the snapshot at the window's end however late it reads
                 os._exit(0)
             sleepers.append(pid)
         busy(start + 0.9 * period)
