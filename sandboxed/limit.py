@@ -25,6 +25,27 @@ def bound():
             seen.update(oom=f.read().strip(), cgroup=g.read())
     if params["hide_proc"]:
         hide_proc()
+    if params["seal_devices"]:
+        seal_devices()
+
+
+def seal_devices():
+    """/dev's nodes are the host's inodes, bound in: every sandbox would see a change of their metadata (times, mode,
+    owner, extended attributes; one sandbox stamped results into /dev/null's mtime for others to read). Each bind is
+    remounted read-only, devices still allowed (bubblewrap's own --remount-ro adds nodev): their data is still read
+    and written, their metadata no more. As root in the sandbox's mount namespace; where the sandbox may not
+    remount (unprivileged) they stay as bound, and the start-up probe says so."""
+    import _ctypes
+
+    class Libc:
+        _handle = _ctypes.dlopen(None)
+
+    class Call(_ctypes.CFuncPtr):
+        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+
+    mount = Call(("mount", Libc))
+    for node in (b"/dev/null", b"/dev/zero", b"/dev/full", b"/dev/random", b"/dev/urandom"):
+        mount(None, node, None, 32 | 4096 | 1 | 2, None)  # MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
 
 
 def hide_proc():

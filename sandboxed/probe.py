@@ -1,7 +1,7 @@
 """The scorer's start-up probe (rewards._probe_bwrap): one sandbox as responses get it must find the kernel
 keyring, new namespaces and file locks refused, its own directory writable, itself the OOM killer's first
 choice, inside its cgroups where it was handed them (as the kernel reported them to limit.bound before /proc
-went); and whether a /proc is still there."""
+went), the device nodes' metadata read-only where /proc went; and whether a /proc is still there."""
 
 import ctypes
 import errno
@@ -28,6 +28,12 @@ with open("probe", "w") as f:
 oom = seen["oom"] != "1000"
 unbounded = seen["cgroup"].count(f"/{params['cgroup_name']}/") < len(params["cgroup"])  # a line per hierarchy joined
 host = os.path.exists("/proc/self")  # limit.hide_proc unmounts it where the sandbox may
+try:  # limit.seal_devices, with it: a change of a shared node's times would be every sandbox's to read
+    os.utime("/dev/null")
+    stamps = True
+except OSError:
+    stamps = False
 print("keyring reachable" if keyring else "namespaces allowed" if namespace else "locks shared" if locks else
       "not the OOM killer's first choice" if oom else "outside its cgroup" if unbounded else
-      "isolated, the host's /proc in view" if host else "isolated", flush=True)
+      "isolated, the host's /proc in view" if host else "device nodes' times writable" if stamps else "isolated",
+      flush=True)

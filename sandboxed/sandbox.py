@@ -142,8 +142,9 @@ _UNIFIED_SYSCALLS = {"cachestat": 451, "setxattrat": 463}
 _CLONE_NEW = (0x80, 0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
 
 # As root, a sandboxed program has no /proc (sandboxed/limit.py, hide_proc); tests/test_channel_scan.py's
-# control turns that off.
+# control turns that off. Nor can it change the metadata of the device nodes every sandbox shares (seal_devices).
 HIDE_PROC = True
+SEAL_DEVICES = True
 _TMP_ROOT: str | None = None  # a worker's directory for the weaker modes' sandboxes (see _spawn)
 _IN_WORKER = False  # a scoring worker: the start-up line is its parent's to print
 SANDBOX_MODES = ("bwrap", "unshare", "rlimits")  # strongest first; the weaker two only on request
@@ -209,8 +210,9 @@ def bound_line(mode: str) -> str:
 def _probe_bwrap() -> None:
     """One sandbox as responses get it: it must start (bubblewrap 0.8 or newer, for the size-limited
     directory), find the keyring, new namespaces and file locks refused, and its own directory writable. It
-    must have no /proc (limit.hide_proc) where this scorer can mount (it mounted the probe's tmpfs); where it
-    cannot (unprivileged, or a container without CAP_SYS_ADMIN) a warning says the host's is seen."""
+    must have no /proc (limit.hide_proc) and device nodes whose metadata it cannot change (limit.seal_devices)
+    where this scorer can mount (it mounted the probe's tmpfs); where it cannot (unprivileged, or a container
+    without CAP_SYS_ADMIN) a warning says the host's /proc is seen."""
     try:
         with _sandbox({}, "probe", 10, {"add_key": _syscall_number("add_key"), "cgroup_name": _CGROUP_NAME,
                                         "probe": True},
@@ -916,7 +918,7 @@ def _sandbox(files: dict[str, str], program: str, timeout: float, params: dict, 
         bundle = _fd_holding(marshal.dumps((files, data)))
         seccomp = _fd_holding(seccomp_program, pipe=True) if seccomp_program is not None else None
         params = {**params, "limits": _limits(mode, timeout, uid), "bundle": bundle, "mode": mode, "cgroup": cgroup,
-                  "hide_proc": HIDE_PROC and mode == "bwrap"}
+                  "hide_proc": HIDE_PROC and mode == "bwrap", "seal_devices": SEAL_DEVICES and mode == "bwrap"}
         # -B: nothing written beside the programs (their folder is read-only in the sandbox, the project's outside)
         where = "/prog" if mode == "bwrap" else str(SANDBOXED)
         python = [_sandbox_python(mode), "-I", "-B", f"{where}/{program}.py", marshal.dumps(params).hex()]

@@ -203,6 +203,9 @@ def main() -> None:
     p.add_argument("--workers", nargs="+", type=int, default=[4])
     p.add_argument("--passes", type=int, default=4)
     args = p.parse_args()
+    for flag, values in (("--workers", args.workers), ("--passes", [args.passes])):
+        if min(values) < 1:
+            p.error(f"{flag} must be at least 1 (got {min(values)})")
     if args.contention:
         return contention(args.workers)
     if args.scan_ablation:

@@ -291,6 +291,14 @@ def test_the_start_up_probe_fails_closed_without_the_filter(monkeypatch):
         sandbox.sandbox_mode()
 
 
+@as_root
+def test_the_start_up_probe_fails_closed_with_device_nodes_open_to_stamps(monkeypatch):
+    monkeypatch.setattr(sandbox, "SEAL_DEVICES", False)
+    monkeypatch.setattr(sandbox, "_sandbox_mode", None)
+    with pytest.raises(sandbox.SandboxUnavailable, match="device nodes' times writable"):
+        sandbox.sandbox_mode()
+
+
 # A user namespace of its own, where the program is root: it mounts a tmpfs there and fills it (memory
 # outside every limit). After a fresh exec (the dropped uid makes the first image unable to write its maps).
 _OWN_NAMESPACE = r'''
@@ -973,6 +981,44 @@ def test_a_sandboxed_program_has_no_proc():
     assert sandbox.run_sandboxed(program, timeout=10)[1] == "True []\n"
     program = "print(open('/dev/stdin').read().split())\nopen('/dev/stdout', 'w').write('then\\n')\nprint('last')"
     assert sandbox.run_sandboxed(program, "3 4\n", timeout=10)[1] == "then\n['3', '4']\nlast\n"
+
+
+DEVICE_METADATA = """
+import os
+
+
+def fails(change, path):
+    try:
+        change(path)
+    except OSError:
+        return True
+    return False
+
+
+nodes = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"]
+changes = {"utime now": lambda p: os.utime(p), "utime set": lambda p: os.utime(p, ns=(1, 1)),
+           "chmod": lambda p: os.chmod(p, 0o666), "chown": lambda p: os.chown(p, os.getuid(), os.getgid()),
+           "setxattr": lambda p: os.setxattr(p, "user.mark", b"1"), "link": lambda p: os.link(p, p + ".2"),
+           "rename": lambda p: os.rename(p, p + ".2"), "unlink": lambda p: os.unlink(p)}
+made = [f"{name} {p}" for p in nodes for name, change in changes.items() if not fails(change, p)]
+full = os.open("/dev/full", os.O_WRONLY)
+full = fails(lambda fd: os.write(fd, b"x"), full)  # ENOSPC: the device's own answer
+print(made, open("/dev/null", "w").write("data"), len(open("/dev/zero", "rb").read(8)),
+      len(open("/dev/urandom", "rb").read(8)), full)
+"""
+
+
+@as_root  # unprivileged, the sandbox cannot remount them (the start-up warning's mode)
+def test_no_sandbox_can_change_the_metadata_of_a_device_node_it_shares():
+    """The device nodes are the host's inodes, bound in: a change of their times, mode, owner or extended
+    attributes would be seen by every other sandbox (one stamped its results into /dev/null's mtime, and copiers
+    read them). Every such change is refused, and the nodes still read and write their data."""
+    before = [os.stat(f"/dev/{n}") for n in ("null", "zero", "full", "random", "urandom")]
+    out = sandbox.run_sandboxed(DEVICE_METADATA, timeout=20)[1]
+    assert out == "[] 4 8 8 True\n", out
+    after = [os.stat(f"/dev/{n}") for n in ("null", "zero", "full", "random", "urandom")]
+    assert [(s.st_mtime_ns, s.st_ctime_ns, s.st_mode) for s in after] == \
+        [(s.st_mtime_ns, s.st_ctime_ns, s.st_mode) for s in before]
 
 
 # -- what one sandbox holds, all its processes together --------------------------------------------------
