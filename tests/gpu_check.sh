@@ -122,6 +122,27 @@ if [ "${gpus:-0}" = 0 ] && [ "$devices" -gt 0 ]; then
 fi
 if [ "${gpus:-0}" -gt 0 ]; then
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/[gpu check] GPU /'
+  # what the node needs before anything runs: a driver for CUDA 13 (torch 2.13's and vLLM 0.32's builds), and a C
+  # compiler and Python's headers, with which Triton builds its launchers at first use (triton/runtime/build.py:
+  # $CC, else clang or gcc on PATH)
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+  if [ -n "$driver" ] && [ "${driver%%.*}" -lt 580 ] 2>/dev/null; then
+    say "error: NVIDIA driver $driver is older than 580, which torch 2.13's and vLLM 0.32's CUDA 13 builds need:" \
+      "update the driver (nothing was checked)"
+    exit 1
+  fi
+  node=()
+  if [ -n "${CC:-}" ] && ! command -v "$CC" >/dev/null 2>&1; then
+    node+=("CC=$CC is not a compiler on PATH: Triton compiles with it; unset CC, or point it at gcc or clang")
+  elif [ -z "${CC:-}" ] && ! command -v gcc >/dev/null 2>&1 && ! command -v clang >/dev/null 2>&1; then
+    node+=("no C compiler (gcc or clang) on PATH: Triton compiles its launchers with one (apt-get install gcc)")
+  fi
+  if ! "$py" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
+    node+=("no Python.h for $py: Triton compiles against Python's headers (apt-get install python3-dev, or the" \
+      "headers of the Python you run)")
+  fi
+  for problem in "${node[@]}"; do say "error: $problem"; done
+  [ ${#node[@]} -eq 0 ] || exit 1
   if [ "$(version torch)" != "-" ] && [ "$(version cuda)" = 0 ]; then
     say "error: $seen shows ${gpus} GPU(s) but torch $(version torch) in $py cannot use them (a CPU build, or" \
       "a driver older than its CUDA): nothing was checked"

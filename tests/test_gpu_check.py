@@ -310,6 +310,32 @@ def test_gpu_check_fails_on_a_gpu_node_whose_torch_cannot_use_it(tmp_path):
         "cannot use them (a CPU build, or a driver older than its CUDA): nothing was checked"], res.stdout
 
 
+def fake_gpu(tmp_path, driver: str) -> str:
+    """A PATH whose nvidia-smi lists one H200 on `driver`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$*" in -L) echo "GPU 0: NVIDIA H200 (UUID: GPU-0)";; '
+                   f'*index,name*) echo "0, NVIDIA H200, 143771 MiB, {driver}";; *) echo "{driver}";; esac\n')
+    smi.chmod(0o755)
+    return f"{bin_dir}:{cpu_env()['PATH']}"
+
+
+@pytest.mark.slow  # gpu_check.sh's imports: 5-10 s
+def test_gpu_check_names_what_the_node_lacks_before_anything_runs(tmp_path):
+    """A driver older than CUDA 13's (580), a compiler Triton cannot find: one line each, before any install or
+    test (the first H200 node had 580.159.04)."""
+    res = gpu_check(sys.executable, tmp_path, PATH=fake_gpu(tmp_path, "575.57.08"))
+    assert res.returncode == 1 and res.stdout.splitlines()[1:] == [
+        "[gpu check] GPU 0, NVIDIA H200, 143771 MiB, 575.57.08",
+        "[gpu check] error: NVIDIA driver 575.57.08 is older than 580, which torch 2.13's and vLLM 0.32's CUDA 13 "
+        "builds need: update the driver (nothing was checked)"], res.stdout
+    res = gpu_check(sys.executable, tmp_path, PATH=fake_gpu(tmp_path, "580.159.04"), CC="/no/such/cc")
+    assert res.returncode == 1 and res.stdout.splitlines()[2:] == [
+        "[gpu check] error: CC=/no/such/cc is not a compiler on PATH: Triton compiles with it; unset CC, or point it "
+        "at gcc or clang"], res.stdout
+
+
 @pytest.mark.slow  # gpu_check.sh's imports and the GPU tests' collection: 5-10 s
 def test_gpu_check_names_every_package_whose_absence_skipped_a_test(tmp_path):
     # math-verify installed but broken (it does not import): the rollout checks need it as much as vLLM
