@@ -15,7 +15,6 @@ import fcntl
 import functools
 import hashlib
 import inspect
-import io
 import json
 import math
 import os
@@ -25,6 +24,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections import Counter
@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or a spent quota
 
 
 def first_line(e: BaseException) -> str:
@@ -94,6 +96,25 @@ def model_dir_problem(path: str) -> str | None:
         return (f"no tokenizer files in it ({', '.join(TOKENIZER_FILES[:2])}, ...): copy them from the model it was "
                 "trained from")
     return None
+
+
+def model_config(model: str, offline_models) -> dict | None:
+    """--model's config.json where this machine has it without a download (an offline policy's shipped one, a
+    local folder's, a hub id's cached copy); None elsewhere, or where it cannot be read."""
+    if model in offline_models:
+        path = Path(__file__).resolve().parent / "data" / "offline" / model / "config.json"
+    elif os.path.isdir(model):
+        path = Path(model) / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json") if is_hub_id(model) else None
+        path = Path(cached) if isinstance(cached, str) else None
+    try:
+        config = json.loads(path.read_text()) if path else None
+    except (OSError, ValueError):
+        return None  # model_dir_problem names a local folder's unreadable config
+    return config if isinstance(config, dict) else None
 
 
 def check_args(args: argparse.Namespace, world: int, loss_params: dict, offline_models) -> None:
@@ -164,6 +185,13 @@ def check_args(args: argparse.Namespace, world: int, loss_params: dict, offline_
         v = getattr(args, k)
         if v is not None and not lo <= v <= hi:
             raise ValueError(f"{flag(k)} must be in [{lo:g}, {hi:g}] (got {v:g}): {why}")
+    if "lora_alpha" in getattr(args, "flags_given", ()) and not args.lora_rank:
+        raise ValueError("--lora-alpha scales LoRA's adapters, which only --lora-rank R > 0 adds (without it the run "
+                         "is full fine-tuning): give --lora-rank R, or drop --lora-alpha")
+    hidden = (model_config(args.model, offline_models) or {}).get("hidden_size")
+    if args.lora_rank and isinstance(hidden, int) and args.lora_rank > hidden:
+        raise ValueError(f"--lora-rank must be at most the model's hidden size, {hidden} (got {args.lora_rank}): B A "
+                         "of a higher rank spans no more updates, and its adapters outgrow the model")
     if "overlong_penalty" in getattr(args, "flags_given", ()) and not args.overlong_buffer:
         raise ValueError("--overlong-penalty has no effect without --overlong-buffer N (the last N tokens before "
                          "--max-response-len, over which the penalty grows to it)")
@@ -528,7 +556,7 @@ def save_checkpoint(engine, tokenizer, root: Path, step: int, trainer_state: dic
             tokenizer.save_pretrained(tmp)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "unexpected pos N vs M"
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or no_space_left(root):
+        if getattr(e, "errno", None) in FULL or no_space_left(root):
             raise OSError(errno.ENOSPC, f"no space left on {root}: {tmp.name} is incomplete (remove it, or "
                                         "the next save at this step does)") from None
         raise
@@ -555,7 +583,7 @@ def no_space_left(d: Path) -> bool:
             os.fsync(f.fileno())
         return False
     except OSError as e:
-        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+        return e.errno in FULL
     finally:
         with contextlib.suppress(OSError):
             probe.unlink()
@@ -639,11 +667,16 @@ def damaged_shard(ckpt: Path, rank: int) -> str | None:
     return None
 
 
-def load_training_state(engine, ckpt: Path, rank: int) -> dict:
-    """Model, optimizer, scheduler, RNG and trainer state from `ckpt` (checked by damaged_shard first)."""
-    load_path, _ = engine.load_checkpoint(str(ckpt), tag="state")
+def load_training_state(engine, ckpt: Path, rank: int, args) -> dict:
+    """Model, optimizer, RNG and trainer state from `ckpt` (checked by damaged_shard first), under this launch's
+    --lr, --weight-decay and --lr-warmup-steps (apply_optimizer_flags); a DeepSpeed config's own scheduler is
+    restored as saved."""
+    ours = engine.client_lr_scheduler is not None  # linear_warmup's: rebuilt from the flags, not loaded
+    load_path, _ = engine.load_checkpoint(str(ckpt), tag="state", load_lr_scheduler_states=not ours)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}/state")
+    if ours or engine.lr_scheduler is None:
+        apply_optimizer_flags(engine, args.lr, args.weight_decay, args.lr_warmup_steps * args.minibatches)
     set_rng_state(torch.load(ckpt / "state" / f"rng_rank{rank}.pt", weights_only=False))
     return json.loads((ckpt / "trainer_state.json").read_text())
 
@@ -765,7 +798,8 @@ def checked_sizes(sizes, where: Path, parse: Callable[[list[str]], argparse.Name
         return ValueError(f'{where}: "sizes"' + (f" key {k}" if k else "") + f": {why}; repair the file")
 
     for k, kind in (("device", str), ("device_name", str), ("device_memory", int)):
-        if k in sizes and (not isinstance(sizes[k], kind) or isinstance(sizes[k], bool)):
+        if k in sizes and (not isinstance(sizes[k], kind) or isinstance(sizes[k], bool)
+                           or (kind is int and sizes[k] <= 0)):
             raise bad(k, f"{json.dumps(sizes[k])} is not a {'count of bytes' if kind is int else 'name'}")
     flags = {k: v for k, v in sizes.items() if k in size_flags or k == "vllm_gpu_memory"}
     for k, v in flags.items():
@@ -859,21 +893,33 @@ def rank_file(out_dir: Path, rank: int) -> Path:
     return out_dir / f".rank{rank}.pid"
 
 
+ENDED = "ended\n"  # what a rank that ends on its own leaves in its file
+
+
 def note_ranks(out_dir: Path, rank: int, all_gather: Callable) -> None:
     """Every rank's (pid, host) (`all_gather`: train_grpo.all_gather_objects, a collective), and this rank's file
-    in the run directory, out_dir/.rankN.pid, which one_line_early_ends removes however the rank ends through it:
-    a rank whose process is gone and whose file is left died without a word (SIGKILL: the OOM killer), and a
-    survivor names it (dead_ranks). Written before the gather, so that every rank's is there after it."""
+    in the run directory, out_dir/.rankN.pid, which one_line_early_ends marks ENDED however the rank ends through
+    it (and removes when the launch is done): a rank whose process is gone and whose file is not so marked died
+    without a word (SIGKILL: the OOM killer; its file removed by hand too), and a survivor names it (dead_ranks).
+    Written before the gather, so that every rank's is there after it."""
     rank_file(out_dir, rank).write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
     LAUNCH.update(ranks=[tuple(x) for x in all_gather((os.getpid(), socket.gethostname()))], rank=rank,
                   out_dir=out_dir)
 
 
-def forget_rank() -> None:
-    """This rank ends on its own (said why, or is told to): its file goes, and no survivor takes it for killed."""
+def forget_rank(done: bool = False) -> None:
+    """This rank ends on its own (said why, or is told to): its file says so, and no survivor takes it for killed;
+    a launch that is `done` (every rank past its last collective) removes it."""
     if LAUNCH["out_dir"] is not None:
         with contextlib.suppress(OSError):
-            rank_file(LAUNCH["out_dir"], LAUNCH["rank"]).unlink()
+            path = rank_file(LAUNCH["out_dir"], LAUNCH["rank"])
+            path.unlink() if done else path.write_text(ENDED)
+
+
+def ended_on_its_own(rank: int) -> bool:
+    with contextlib.suppress(OSError):
+        return rank_file(LAUNCH["out_dir"], rank).read_text() == ENDED
+    return False
 
 
 def process_gone(pid: int) -> bool:
@@ -896,7 +942,7 @@ def dead_ranks(wait_s: float = 0.0) -> tuple[list[int], list[int]]:
     while True:
         gone = [r for r, (pid, h) in enumerate(LAUNCH["ranks"])
                 if r != LAUNCH["rank"] and h == host and process_gone(pid)]
-        dead = [r for r in gone if rank_file(LAUNCH["out_dir"], r).exists()]
+        dead = [r for r in gone if not ended_on_its_own(r)]
         if gone or time.time() >= deadline:
             return dead, [r for r in gone if r not in dead]
         time.sleep(0.05)
@@ -915,13 +961,21 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
             def interrupt(signum, frame):
                 raise KeyboardInterrupt
 
-            before = signal.signal(signal.SIGTERM, interrupt)
+            def full_disk_said_once(hook_args):  # TensorBoard's writer thread meets it too: the loop says it
+                if not (isinstance(hook_args.exc_value, OSError) and hook_args.exc_value.errno in FULL):
+                    thread_hook(hook_args)
+
+            before, thread_hook = signal.signal(signal.SIGTERM, interrupt), threading.excepthook
+            threading.excepthook = full_disk_said_once
             LAUNCH.update(ranks=[], rank=None, out_dir=None, step=None)  # none of an earlier main() in this process
+            done = False
             try:
-                return train(argv)
+                result = train(argv)
+                done = True
+                return result
             except (KeyboardInterrupt, OSError, RuntimeError) as e:
                 lost = isinstance(e, RuntimeError) and PEER_LOST.search(str(e)) is not None
-                if (isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT)) or \
+                if (isinstance(e, OSError) and e.errno not in FULL) or \
                         (isinstance(e, RuntimeError) and not lost):
                     raise
                 for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, or the launcher's SIGTERM after it
@@ -929,9 +983,11 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
                 forget_rank()
                 dead, ended = dead_ranks(wait_s=5 if lost else 0)
                 remote = [r for r, (_, h) in enumerate(LAUNCH["ranks"]) if h != socket.gethostname()]
-                # another node's rank that ended on its own removed its file first (the run directory is shared)
-                ended += [r for r in remote if not rank_file(LAUNCH["out_dir"], r).exists()]
-                if lost and not dead and (ended or not remote):  # a peer that ended on its own said why
+                # another node's rank that ended on its own marked its file first (the run directory is shared)
+                ended += [r for r in remote if ended_on_its_own(r)]
+                if lost and not dead and ended:  # a peer that ended on its own said why
+                    exit_without_teardown(1)
+                if lost and not dead and not remote:
                     signal.signal(signal.SIGINT, signal.default_int_handler)
                     raise
                 rank, step = int(os.environ.get("RANK", "0")), LAUNCH["step"]
@@ -954,8 +1010,9 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
                     print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
                 exit_without_teardown(code)
             finally:
-                forget_rank()
+                forget_rank(done)
                 signal.signal(signal.SIGTERM, before)
+                threading.excepthook = thread_hook
 
         return main
 
@@ -1424,12 +1481,30 @@ def deepspeed_config(args, world: int, bf16: bool | None = None) -> dict:
     return cfg
 
 
+def warmup_factor(done: int, num_updates: int) -> float:
+    """min(1, k / num_updates) for the k-th optimizer update (k = done + 1): the first update already moves the
+    weights (DeepSpeed's WarmupLR gives it lr 0); 1 without warm-up."""
+    return min(1.0, (done + 1) / num_updates) if num_updates > 0 else 1.0
+
+
 def linear_warmup(num_updates: int):
-    """lr x min(1, k / num_updates) for the k-th optimizer update (k = 1, 2, ...): the first update
-    already moves the weights (DeepSpeed's WarmupLR gives it lr 0)."""
+    """lr x warmup_factor, stepped once per optimizer update that is applied."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    return lambda optimizer: LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / num_updates))
+    return lambda optimizer: LambdaLR(optimizer, lambda done: warmup_factor(done, num_updates))
+
+
+def apply_optimizer_flags(engine, lr: float, weight_decay: float, warmup_updates: int) -> None:
+    """A resumed optimizer under this launch's flags: its saved state holds the rate, weight decay and schedule
+    it was saved with, which --resume may change. The schedule's position is the updates applied so far
+    (DeepSpeed's global steps less those it skipped, which its scheduler does not count either)."""
+    done = engine.global_steps - engine.skipped_steps
+    groups = engine.optimizer.param_groups
+    for group in groups:
+        group.update(lr=lr * warmup_factor(done, warmup_updates), initial_lr=lr, weight_decay=weight_decay)
+    if (schedule := engine.lr_scheduler) is not None:
+        schedule.base_lrs, schedule.last_epoch = [lr] * len(groups), done
+        schedule._last_lr = [group["lr"] for group in groups]
 
 
 # -----------------------------------------------------------------------------
@@ -1442,16 +1517,17 @@ def nonfinite_weights(engine, all_reduce: Callable) -> int:
     return int(all_reduce([torch.stack(counts).sum().item()]).item())
 
 
-def unlink_cpu_allreduce_buffer() -> None:
-    """DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank from /dev/shm and never unlinks it (its shm.cpp):
-    each launch on another port left 66 MiB a rank of memory behind. After deepspeed.init_distributed every rank has
-    mapped every other's once all are past a barrier; then the name can go, the memory goes with the last rank."""
-    import torch.distributed as dist
+def start_deepspeed_comm(cuda: bool) -> None:
+    """deepspeed.init_distributed: NCCL on CUDA, gloo on the CPU. On the CPU, without DeepSpeed's shared-memory
+    all-reduce op: it serves inference_all_reduce alone (tensor-parallel inference, deepspeed/comm/torch.py), which
+    training never calls, and it cost a first launch its JIT build (42 s on 2 cores) and every launch on another port
+    a 66 MiB /dev/shm buffer a rank that its shm.cpp never unlinks."""
+    import deepspeed
+    import deepspeed.ops
 
-    dist.barrier()
-    with contextlib.suppress(OSError):
-        os.unlink(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
-                  f"{os.environ['MASTER_PORT']}_{dist.get_rank()}")
+    if not cuda:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed keeps the dict, edits included
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
 
 
 def init_distributed(out_dir: Path, checkpoints: list[Path], world: int, all_gather: Callable) -> tuple[int, int]:
@@ -1462,19 +1538,14 @@ def init_distributed(out_dir: Path, checkpoints: list[Path], world: int, all_gat
         os.environ["MASTER_PORT"] = str(free_port())
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
-    import deepspeed
     import torch.distributed as dist
     import transformers
 
     cuda, local_rank = torch.cuda.is_available(), int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    # on the CPU, DeepSpeed prints "deepspeed_shm_comm_op built successfully" at every start
-    with contextlib.nullcontext() if cuda else contextlib.redirect_stdout(io.StringIO()):
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    if not cuda:  # after the first start's JIT build of DeepSpeed's CPU comm op, which may use every core
-        unlink_cpu_allreduce_buffer()
-        # ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
+    start_deepspeed_comm(cuda)
+    if not cuda:  # ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
         pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
     transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint export otherwise
     rank = dist.get_rank()
@@ -1555,9 +1626,9 @@ def load_prompts(
     return rows, dropped
 
 
-def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list[dict]]:
-    """(model path, tokenizer, training rows, prompts dropped as too long, held-out rows); a bad input
-    stops every rank with one line before any engine starts."""
+def load_data(args, local_rank: int) -> tuple[str, object, list[dict], tuple[int, int], list[dict]]:
+    """(model path, tokenizer, training rows, training and held-out prompts dropped as too long, held-out rows); a
+    bad input stops every rank with one line before any engine starts."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoTokenizer
 
@@ -1575,12 +1646,13 @@ def load_data(args, local_rank: int) -> tuple[str, object, list[dict], int, list
             raise ValueError(f"--max-prompt-len + --max-response-len = {args.max_prompt_len + args.max_response_len} "
                              f"exceeds the model's context of {context} tokens")
         train_rows, dropped = load_prompts(args.dataset, tokenizer, args, train=True)
-        eval_rows = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit)[0] if args.eval_dataset else []
+        eval_rows, eval_dropped = load_prompts(args.eval_dataset, tokenizer, args, args.eval_limit) \
+            if args.eval_dataset else ([], 0)
         if any(r["kind"] == "code" for r in train_rows + eval_rows):
             sandbox_mode()  # code rewards fail closed without bubblewrap: say so before any engine starts
     except (ValueError, OSError, SandboxUnavailable) as e:
         sys.exit(f"train_grpo.py: error: {first_line(e)}")
-    return model_path, tokenizer, train_rows, dropped, eval_rows
+    return model_path, tokenizer, train_rows, (dropped, eval_dropped), eval_rows
 
 
 # -----------------------------------------------------------------------------
@@ -1635,6 +1707,16 @@ def gpu_memory() -> list[float]:
     peak = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
     return [peak, (total - free) / 2**30]
+
+
+def resumable_values(engine, args) -> dict[str, float]:
+    """hparams/FLAG: what the step ran with of every numeric flag --resume may change (flags_with("resume")): the
+    weight decay as the optimizer's parameter groups hold it (the rate, scheduled, is "lr"), whether the policy
+    recomputes activations as its module says, the others as the step reads them."""
+    values = {k: getattr(args, k) for k in sorted(flags_with("resume"))}
+    values.update(weight_decay=engine.optimizer.param_groups[0]["weight_decay"],
+                  gradient_checkpointing=engine.module.is_gradient_checkpointing)
+    return {f"hparams/{k}": float(v) for k, v in values.items() if isinstance(v, (int, float))}
 
 
 SUM_KEYS = ["pg_loss", "token_weight", "tokens", "clipped", "approx_kl", "grad_norm", "skipped_updates", "updates",
@@ -1766,9 +1848,9 @@ def jit_extensions_dir() -> str:
 
 
 def jit_ops(ds_config: dict) -> list[str]:
-    """The DeepSpeed ops this launch JIT-builds (ninja, into TORCH_EXTENSIONS_DIR) on first use: the CPU
-    collectives on the CPU, CPU Adam with optimizer offload, FusedAdam when torch's AdamW is not chosen."""
-    ops = [] if torch.cuda.is_available() else ["deepspeed_shm_comm"]
+    """The DeepSpeed ops this launch JIT-builds (ninja, into TORCH_EXTENSIONS_DIR) on first use: CPU Adam with
+    optimizer offload, FusedAdam when torch's AdamW is not chosen (the CPU's collectives: start_deepspeed_comm)."""
+    ops = []
     optimizer = ds_config.get("optimizer", {})
     if ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none":
         ops.append("cpu_adam")
@@ -1850,5 +1932,5 @@ def check_jit_cache(ds_config: dict, local_rank: int) -> None:
         ninja = root / op / "build.ninja"
         built = any((root / op).glob("*.so")) and ninja.exists() and source in ninja.read_text()
         if not built and local_rank == 0:
-            print(f"[grpo] building DeepSpeed's {op} op into {root / op} (once per install: about 20 s on a CPU, "
-                  "minutes with nvcc)", flush=True)
+            print(f"[grpo] building DeepSpeed's {op} op into {root / op} (once per install: a minute or more)",
+                  flush=True)

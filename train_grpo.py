@@ -94,6 +94,7 @@ from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run direct
     one_line_early_ends,
     open_loggers,
     pin_mismatch,
+    resumable_values,
     rng_state,
     save_step,
     seed_rngs,
@@ -1057,13 +1058,13 @@ def resumed_batching(args, tokenizer, resumed: Path | None, world: int, here: di
     return batching, apply_recorded_sizes(batching, args.flags_given, recorded, here, resumed, rank)
 
 
-def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tuple[int, list[int], int, Path | None]:
+def resume(engine, llm, checkpoints: list[Path], rank: int, args) -> tuple[int, list[int], int, Path | None]:
     """(step, prompt order, bad-step streak, the checkpoint) of the newest checkpoint every rank can load, weights
     synced into vLLM; (0, [], 0, None) for a new run. One whose files fail their CRC on any rank: the one before."""
     for ckpt in checkpoints:  # newest first
         errors = [e for e in all_gather_objects(damaged_shard(ckpt, rank)) if e]
         if not errors:
-            state = load_training_state(engine, ckpt, rank)
+            state = load_training_state(engine, ckpt, rank, args)
             sync_weights_to_vllm(engine, llm)
             if rank == 0:
                 print(f"[grpo] resuming from {ckpt} (step {state['step']})", flush=True)
@@ -1072,7 +1073,7 @@ def resume(engine, llm, checkpoints: list[Path], out_dir: Path, rank: int) -> tu
             print(f"[grpo] {errors[0]}: " + ("falling back to the previous checkpoint" if ckpt != checkpoints[-1]
                                              else "no earlier checkpoint"), flush=True)
     if checkpoints:
-        sys.exit(f"train_grpo.py: error: no checkpoint of {out_dir / 'checkpoints'} could be loaded; "
+        sys.exit(f"train_grpo.py: error: no checkpoint of {checkpoints[0].parent} could be loaded; "
                  "repair the named file, or use another --output-dir")
     return 0, [], 0, None
 
@@ -1134,12 +1135,13 @@ def main(argv: list[str] | None = None) -> None:
         stop_all(device_fit(args, model_path, ds_config, world, local_rank, attention_kind(args, cuda=True)))
     engine, ref_engine, llm = build_engines(args, model_path, ds_config, rank, local_rank)
     set_rng_state(seeded)  # vLLM's worker reseeded Python, NumPy and torch (gpu_worker.py: set_random_seed)
-    start, order, bad_streak, resumed = resume(engine, llm, checkpoints, out_dir, rank)
+    start, order, bad_streak, resumed = resume(engine, llm, checkpoints, rank, args)
     here = device_record(cuda, local_rank, args.vllm_gpu_memory)
     batching, cap = resumed_batching(args, tokenizer, resumed, world, here, rank)
     if rank == 0:
-        print(f"[grpo] {len(train_rows)} training prompts ({dropped} too long, dropped), "
-              f"{len(eval_rows)} eval prompts, {world} ranks, agg={args.agg}, policy loss {args.policy_loss} ("
+        print(f"[grpo] {len(train_rows)} training prompts ({dropped[0]} too long, dropped), "
+              f"{len(eval_rows)} eval prompts ({dropped[1]} too long, dropped), {world} ranks, agg={args.agg}, "
+              f"policy loss {args.policy_loss} ("
               + ", ".join(f"{k} {getattr(args, k)}" for k in POLICY_LOSS_DEFAULTS[args.policy_loss]) + ")", flush=True)
     log, close_loggers = open_loggers(args, out_dir, rank, start)
     model_flops, peak = model_flops_fn(engine, args.peak_tflops)
@@ -1173,7 +1175,7 @@ def main(argv: list[str] | None = None) -> None:
         sums = update(engine, ref_engine, rollouts, adv, args, batching, device, world, timer)
         memory = gpu_memory() if cuda else None
         metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory, all_reduce),
-                   "lr": lr, **sampling, **balance}
+                   "lr": lr, **resumable_values(engine, args), **sampling, **balance}
         stop_on_nonfinite_weights(engine, step, metrics, log, close_loggers, out_dir, world, rank, all_reduce)
 
         # 7. weight sync

@@ -118,6 +118,9 @@ def main() -> None:
 
     p = parser()
     args = p.parse_args(argv)
+    for flag, values in (("--aggs", args.aggs), ("--losses", args.losses), ("--seeds", args.seeds)):
+        if twice := next((v for v in values if values.count(v) > 1), None):  # one run trained, listed twice
+            p.error(f"{flag} names {twice} twice; give each once")
     planned = planned_runs(args)
     if "all" in args.aggs:
         args.aggs = train_grpo.AGGS

@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trials", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    if a.groups % a.ranks:
+    for flag, low in (("ranks", 1), ("groups", 1), ("group_size", 2), ("trials", 1), ("seed", 0)):
+        if getattr(a, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} must be at least {low} (got {getattr(a, flag)})")
+    if a.groups % a.ranks:  # every rank deals as many whole groups
         p.error(f"--groups {a.groups} must be a multiple of --ranks {a.ranks}")
     rng = random.Random(a.seed)
     before, after, bound, tokens = [], [], [], []

@@ -131,6 +131,8 @@ def parse_args() -> argparse.Namespace:
     else:
         if args.micro_batch_tokens is not None:
             p.error("--micro-batch-tokens applies to --update-only (the step benchmark times --micro-batch-size)")
+        if args.lora_rank:
+            p.error("--lora-rank applies to --update-only (the step benchmark trains the whole model)")
         args.micro_batch_size, args.micro_batch_tokens = args.micro_batch_size or 64, 0
         if args.logprob_batch_size is None:
             args.logprob_batch_size = 4 * args.micro_batch_size
@@ -173,6 +175,7 @@ def check_args(args: argparse.Namespace) -> None:
     for k in ("prompt_len", "response_len"):
         if getattr(args, k) < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
+    check_lora_rank(args.lora_rank, SHAPES[args.shape]["hidden_size"], f"--shape {args.shape}")
     if args.update_responses < 8 or args.update_responses % 8:  # aggregation_weights over groups of 8
         raise ValueError(f"--update-responses must be a positive multiple of 8, the benchmark's group size (got "
                          f"{args.update_responses})")
@@ -192,19 +195,32 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--dataset {args.dataset}: not a file, a hub name, or one of demo, {', '.join(DATASETS)}")
     if os.path.isdir(args.dataset):
         raise ValueError(f"--dataset {args.dataset} is a directory; give a prepared .jsonl file or a name")
-    if Path(args.out).is_dir() or not Path(args.out).resolve().parent.is_dir():
-        raise ValueError(f"--out {args.out}: must be a file in an existing directory (the JSON results)")
+    check_out(args.out)
+
+
+def check_lora_rank(rank: int, hidden: int, model: str) -> None:
+    """A LoRA rank that PEFT takes and that adds something: B A of a linear layer has rank at most min(in, out),
+    and every decoder layer has a side no wider than the hidden size."""
+    if not 0 <= rank <= hidden:
+        raise ValueError(f"--lora-rank must be in [0, {hidden}] (got {rank}): 0 is full fine-tuning, and a rank above "
+                         f"the {model}'s hidden size {hidden} adds nothing")
+
+
+def check_out(out: str) -> None:
+    """The JSON results' file can be written, before the work whose numbers go there: tried, not read off
+    permission bits (os.access passed /proc as root, and the write at the end failed after the whole benchmark);
+    an existing file is opened for appending, which leaves it as it is."""
     from grpo_run import first_line, writable_problem
 
-    # tried, not read off permission bits (os.access passed /proc as root, and the write at the end failed after
-    # the whole benchmark); an existing file is opened for appending, which leaves it as it is
-    if problem := writable_problem(Path(args.out).resolve().parent):
-        raise ValueError(f"--out {args.out}: its directory is not writable ({problem})")
-    if Path(args.out).exists():
+    if Path(out).is_dir() or not Path(out).resolve().parent.is_dir():
+        raise ValueError(f"--out {out}: must be a file in an existing directory (the JSON results)")
+    if problem := writable_problem(Path(out).resolve().parent):
+        raise ValueError(f"--out {out}: its directory is not writable ({problem})")
+    if Path(out).exists():
         try:
-            open(args.out, "a").close()
+            open(out, "a").close()
         except OSError as e:
-            raise ValueError(f"--out {args.out}: not writable ({first_line(e)})") from None
+            raise ValueError(f"--out {out}: not writable ({first_line(e)})") from None
 
 
 def best_of(n: int, fn) -> float:
@@ -474,9 +490,8 @@ def update_benchmark(args) -> None:
     cuda, world, local_rank = torch.cuda.is_available(), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    grpo_run.start_deepspeed_comm(cuda)
     if not cuda:
-        grpo_run.unlink_cpu_allreduce_buffer()
         grpo_run.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
     rank, device = dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=max(4096, args.prompt_len + args.response_len),
@@ -635,9 +650,8 @@ def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    grpo_run.start_deepspeed_comm(cuda)
     if not cuda:  # as the trainer does
-        grpo_run.unlink_cpu_allreduce_buffer()
         grpo_run.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_run import read_args_json, run_metrics
+from grpo_run import read_args_json, run_metrics, writable_problem
 from scripts.ablation import rule_args
 from train_grpo import AGGS
 
@@ -670,8 +670,8 @@ def main() -> None:
     p.add_argument("--lora", metavar="DIR", help="the LoRA study's runs: DIR/full, DIR/r1, DIR/r8 (LORA_ARMS)")
     p.add_argument("--figure", metavar="PNG", help="with --factorial or --lora: training accuracy per gap (arm) and "
                    "rule, and token - balanced, over the steps (seed bands)")
-    p.add_argument("--steps", type=int, default=12, help="with --predict: rollout steps sampled")
-    p.add_argument("--rules", nargs="+", choices=RULES, default=RULES, help="with --predict or a runs directory: "
+    p.add_argument("--steps", type=int, default=None, help="with --predict: rollout steps sampled (default 12)")
+    p.add_argument("--rules", nargs="+", choices=RULES, default=None, help="with --predict or a runs directory: "
                    f"these rules, in this order (default: every rule of the trainer's but seq-sum, {REFERENCE} "
                    "among them; scripts/reproduce.py pins a published experiment's)")
     p.add_argument("--steady", action="store_true", help="with --predict: also the steady-state Adam update "
@@ -681,17 +681,39 @@ def main() -> None:
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if sum(x is not None for x in (args.runs, args.predict, args.factorial, args.lora)) != 1:
         p.error("give one of: a runs directory, --predict TASK, --factorial DIR, --lora DIR")
-    if REFERENCE not in args.rules:  # every rule is measured against it
+    if (args.steps is not None or args.steady) and not args.predict:
+        p.error("--steps and --steady go with --predict")
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps must be at least 1 (got {args.steps})")
+    if args.figure and not (args.factorial or args.lora):
+        p.error("--figure goes with --factorial or --lora")
+    if args.rules and (args.factorial or args.lora):
+        p.error(f"--rules goes with --predict or a runs directory (the factorial and the LoRA study compare "
+                f"{' and '.join(FACTORIAL_RULES)})")
+    rules = args.rules or RULES
+    if twice := next((r for r in rules if rules.count(r) > 1), None):  # else its rows and tests printed twice
+        p.error(f"--rules names {twice} twice; give each rule once")
+    if REFERENCE not in rules:  # every rule is measured against it
         p.error(f"--rules must include {REFERENCE}, the rule every other is measured against")
     try:
+        if args.figure:  # before the runs are read and their checkpoints scored, not after
+            if Path(args.figure).is_dir():
+                raise ValueError(f"--figure {args.figure} is a directory; give a .png file")
+            if problem := writable_problem(Path(args.figure).parent):
+                raise ValueError(f"{Path(args.figure).parent} is not writable ({problem}): the --figure goes there")
         if args.predict:
-            predict(args.predict, args.steps, steady=args.steady, extra=tuple(train_extra), rules=args.rules)
+            predict(args.predict, args.steps or 12, steady=args.steady, extra=tuple(train_extra), rules=rules)
         elif args.factorial:
             print(factorial(Path(args.factorial), figure=Path(args.figure) if args.figure else None))
         elif args.lora:
             print(lora_study(Path(args.lora), figure=Path(args.figure) if args.figure else None))
         else:
-            print(compare(Path(args.runs), args.rules))
+            table = run_table(Path(args.runs), rules=rules)
+            if args.rules and (missing := [r for r in rules if r not in table]):  # the default: the rules there are
+                raise ValueError(f"{args.runs}: no runs of --rules {', '.join(missing)} in it (train them with "
+                                 f"ablation.py --aggs {' '.join(missing)} --out {args.runs}, or leave them out of "
+                                 "--rules)")
+            print(compare(Path(args.runs), rules))
     except ValueError as e:
         sys.exit(f"compare_rules.py: error: {e}")
 

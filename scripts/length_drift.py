@@ -345,7 +345,7 @@ def main() -> None:
     p.add_argument("--model", help="with --simulate: the policy whose cached samples give the lengths")
     p.add_argument("--simulate", action="store_true", help="E[push] at accuracies 0.1..0.9 over the lengths")
     p.add_argument("--predict", action="store_true", help="every rule's coupling and push on the policy's samples")
-    p.add_argument("--rules", nargs="+", choices=RULES, default=RULES, help="with --model: these rules, in this "
+    p.add_argument("--rules", nargs="+", choices=RULES, default=None, help="with --model: these rules, in this "
                    "order (default: every rule of the trainer's; scripts/reproduce.py pins a published experiment's)")
     p.add_argument("--summary", nargs="+", help="ablation directories: docs/workbench.md's side-by-side table")
     p.add_argument("--figure", help="with --summary: write its figure here (.png)")
@@ -358,6 +358,11 @@ def main() -> None:
         p.error("--simulate and --predict go with --model")
     if args.figure and not args.summary:
         p.error("--figure goes with --summary")
+    if args.rules and not args.model:
+        p.error("--rules goes with --model (an ablation's tables show the rules its runs trained)")
+    args.rules = args.rules or RULES
+    if twice := next((r for r in args.rules if args.rules.count(r) > 1), None):  # else its columns printed twice
+        p.error(f"--rules names {twice} twice; give each rule once")
     import evaluate
 
     try:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import grpo_run  # noqa: E402
 import train_grpo as T  # noqa: E402
 from grpo_run import memory_model, micro_batch_bytes, resident_bytes  # noqa: E402
-from scripts.bench_step import synthetic_rollouts  # noqa: E402
+from scripts.bench_step import check_lora_rank, check_out, synthetic_rollouts  # noqa: E402
 
 # Small shapes in Qwen2.5's proportions: intermediate ~5.8 hidden, vocabulary ~100 hidden (the embedding a large
 # share of the parameters, as at 0.5B-1.5B), grouped-query heads (6:1, 8:1 and 7:1 as 1.5B, 3B and 7B), head
@@ -265,7 +265,7 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
         resident["built"] = ledger.snapshot()
         if resume:
             ledger.phase = "resume: load"
-            T.load_training_state(engine, work / "run" / "checkpoints" / "step_000001", rank)
+            T.load_training_state(engine, work / "run" / "checkpoints" / "step_000001", rank, args)
             refile_states(ledger, engine)
             resident["resumed"] = ledger.snapshot()
         for step in (2,) if resume else (1, 2):
@@ -289,6 +289,19 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
                          "world": 1, "lora_rank": args.lora_rank, "config": config.to_dict()}}
 
 
+def check_args(a: argparse.Namespace) -> None:
+    """Every setting that cannot run, in one line, before the engine starts and minutes of measuring."""
+    for k in ("prompt_len", "response_len", "micro_batch_tokens", "logprob_chunk"):
+        if getattr(a, k) < 1:  # a budget of 0 (by --micro-batch-size) is not the one memory_model is held to
+            raise ValueError(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(a, k)})")
+    if a.prompts < 2 or a.prompts % 2:  # the trainer's rule: each mini-batch takes whole groups
+        raise ValueError(f"--prompts must be a positive even number (got {a.prompts}): a step's prompts split into "
+                         "2 mini-batches")
+    check_lora_rank(a.lora_rank, SHAPES[a.shape]["hidden_size"], f"--shape {a.shape}")
+    if a.out:
+        check_out(a.out)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="s1", choices=list(SHAPES))
@@ -301,6 +314,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lora-rank", type=int, default=0, help="the trainer's --lora-rank: adapters, the base frozen")
     p.add_argument("--resume-in", default=None, help=argparse.SUPPRESS)  # the resume's own process
     a = p.parse_args(argv)
+    try:
+        check_args(a)
+    except ValueError as e:
+        p.error(str(e))
     import subprocess
     import tempfile
 

@@ -240,6 +240,16 @@ def main() -> None:
             for t in tables:
                 print(f"  {shown(t)}")
         return
+    from grpo_run import first_line, writable_problem
+
+    try:  # before hours of runs and minutes of tables, not after them
+        if problem := writable_problem(RESULTS.parent):
+            raise OSError(problem)
+        if RESULTS.exists():
+            open(RESULTS, "a").close()  # leaves it as it is
+    except OSError as e:
+        sys.exit(f"reproduce.py: error: {RESULTS} is not writable ({first_line(e)}): the sections and the figures go "
+                 "there")
     t0 = time.time()
     if args.tables_only:
         try:

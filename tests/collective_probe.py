@@ -92,11 +92,11 @@ def record_engines() -> None:
         digests["rng_at_build"] = rng_digest()
         return build(*args, **kwargs)
 
-    def record_and_resume(engine, llm, checkpoints, out_dir, rank):
+    def record_and_resume(engine, llm, checkpoints, rank, args):
         digests["rng_at_resume"] = rng_digest()
-        path = Path(out_dir) / f"probe_rank{rank}.json"
+        path = Path(args.output_dir) / f"probe_rank{rank}.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **digests}))
-        return resume(engine, llm, checkpoints, out_dir, rank)
+        return resume(engine, llm, checkpoints, rank, args)
 
     def make_and_record(model_path, args, rank, local_rank, *more):
         llm = make(model_path, args, rank, local_rank, *more)

@@ -10,6 +10,7 @@ trainer itself reads no fault switch). Launched as `deepspeed tests/fault_train.
                                 makes the weights non-finite from finite gradients
     GRPO_FAULT_KILL_RANK=r:k    rank r SIGKILLs itself in step k, its rollout done (as the OOM killer ends a
                                 rank: without a word, its peers left in the step's next collective)
+    GRPO_FAULT_UNFILE=1         ... and removes its .rankN.pid first, as a user's clean-up by hand would
 """
 
 import functools
@@ -37,6 +38,8 @@ def rollout(llm, rows, args, step, first_index):
 
 def advantages(*a, **kw):
     if current["step"] == KILL_RANK_STEP and int(os.environ.get("RANK", "0")) == KILL_RANK:
+        if os.environ.get("GRPO_FAULT_UNFILE"):
+            grpo_run.rank_file(grpo_run.LAUNCH["out_dir"], KILL_RANK).unlink()
         os.kill(os.getpid(), signal.SIGKILL)
     adv = real_advantages(*a, **kw)
     return adv * float("nan") if current["step"] == NAN_STEP else adv

@@ -89,8 +89,7 @@ def case_name(agg: str, loss: str, rounds: int) -> str:
 def main() -> None:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
     model_dir, out, micro = argv[0], Path(argv[1]), int(argv[2])
-    deepspeed.init_distributed(dist_backend="gloo")
-    grpo_run.unlink_cpu_allreduce_buffer()
+    grpo_run.start_deepspeed_comm(cuda=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     from transformers import AutoModelForCausalLM
 

@@ -96,6 +96,11 @@ RANGES = [
     (["--temperature", "1e-3"], "--temperature must be in [0.01, 100] (got 0.001): vLLM samples at 0.01 below"),
     (["--temperature", "1e300"], "--temperature must be in [0.01, 100]"),
     (["--peak-tflops", "1e300"], "--peak-tflops must be in [0, 1e+06]"),  # peak x 1e12 = inf: MFU 0
+    # once full fine-tuning with no word, alpha in the run's identity
+    (["--lora-alpha", "8"], "--lora-alpha scales LoRA's adapters, which only --lora-rank R > 0 adds"),
+    # once 5.9e9 adapter parameters on the demo, out of memory
+    (["--lora-rank", "1000000"], "--lora-rank must be at most the model's hidden size, 128 (got 1000000)"),
+    (["--model", "lab-check", "--lora-rank", "129"], "--lora-rank must be at most the model's hidden size, 128"),
 ]
 
 
@@ -751,16 +756,18 @@ def test_a_stale_jit_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeyp
     import threading
 
     cfg = train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)
-    assert grpo_run.jit_ops(cfg) == ["deepspeed_shm_comm"]  # on the CPU: its collectives
+    assert grpo_run.jit_ops(cfg) == []  # the CPU's collectives build no op (start_deepspeed_comm), nor torch's AdamW
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert grpo_run.jit_ops(cfg) == ["cpu_adam"]
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
+    lock = tmp_path / "ext" / "cpu_adam" / "lock"
     lock.parent.mkdir(parents=True)
     lock.write_text("")  # left by a launch killed while it built: torch would wait for it forever
     assert grpo_run.on_local_filesystem(lock)
     grpo_run.check_jit_cache(cfg, 0)
     out = capsys.readouterr().out
     assert not lock.exists() and f"[grpo] removed {lock}: a JIT build lock whose builder is gone" in out
-    assert "[grpo] building DeepSpeed's deepspeed_shm_comm op into" in out  # what the next minute is
+    assert "[grpo] building DeepSpeed's cpu_adam op into" in out  # what the next minutes are
 
     lock.write_text("")
     builder = subprocess.Popen([sys.executable, "-c", "import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
@@ -788,13 +795,13 @@ def test_a_stale_jit_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeyp
 
 def test_an_unwritable_jit_cache_is_one_line(tmp_path, monkeypatch, files):
     cfg = train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}  # CPU Adam: an op to build
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(files / "a_file" / "ext"))
     with pytest.raises(ValueError, match=re.escape(f"the JIT extension cache {files}/a_file/ext is not writable")):
         grpo_run.check_jit_cache(cfg, 0)
     # on CUDA nothing is JIT-built by default (torch's fused AdamW); optimizer offload builds CPU Adam
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert grpo_run.jit_ops(train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)) == []
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     assert grpo_run.jit_ops(cfg) == ["cpu_adam"]
 
 
@@ -1003,6 +1010,8 @@ def recorded_sizes(tmp_path, sizes) -> dict:
     ({"micro_batch_tokens": None}, "key micro_batch_tokens: --micro-batch-tokens must be a number on the CPU"),
     ({"vllm_gpu_memory": None}, "key vllm_gpu_memory: null is not a number"),
     ({"device": 1}, "key device: 1 is not a name"),
+    ({"device_memory": -85_031_714_816}, "key device_memory: -85031714816 is not a count of bytes"),  # once taken
+    ({"device_memory": 0}, "key device_memory: 0 is not a count of bytes"),
     # out of range, as check_args says it of the flag
     ({"micro_batch_size": -4}, "key micro_batch_size: --micro-batch-size must be at least 1 (got -4)"),
     ({"micro_batch_size": 0}, "key micro_batch_size: --micro-batch-size must be at least 1 (got 0)"),
@@ -1242,3 +1251,119 @@ def test_reproduce_tables_only_names_the_runs_it_lacks_before_any_table(tmp_path
     assert reproduce.untrained("lab") == [(lab, [Path("runs/ablation-lab/eval_table.md"),
                                                  *(Path(src) for src, _ in reproduce.FIGURES["lab"])])]
     assert lab not in [a for a, _ in reproduce.untrained("length-study")]
+
+
+# -----------------------------------------------------------------------------
+# Every tool in scripts/ checks its own flags before it starts an engine or minutes of work: a bound for each
+# number, each output path tried, no rule named twice or without runs. Each case once ran, then failed with a
+# traceback (a PEFT one after the engine started), blamed something else, or printed less than it was asked for.
+
+
+def paired_runs(root: Path, aggs=("token", "balanced"), seeds=(1, 2), steps: int = 6) -> Path:
+    """Finished runs that compare_rules.py compares: paired seeds, step 1 alike under every rule."""
+    for agg in aggs:
+        for seed in seeds:
+            run = root / f"lab-check-{agg}-s{seed}"
+            run.mkdir(parents=True)
+            (run / "args.json").write_text(json.dumps({"agg": agg, "seed": seed, "model": "lab", "steps": steps}))
+            (run / "metrics.jsonl").write_text("".join(json.dumps(
+                {"step": s, "reward/accuracy": 0.5, "length/mean": 9.0, "length/pos_neg_gap": 5.0, "loss/pg": 0.1})
+                + "\n" for s in range(1, steps + 1)))
+    return root
+
+
+SCRIPT_FLAGS = [
+    # a rule asked for by name without runs was dropped, and one named twice printed twice (exit 0 both)
+    ("compare_rules", ["{runs}", "--rules", "balanced", "dr-grpo"], "{runs}: no runs of --rules dr-grpo in it (train "
+     "them with ablation.py --aggs dr-grpo --out {runs}, or leave them out of --rules)"),
+    ("compare_rules", ["{runs}", "--rules", "balanced", "balanced"],
+     "--rules names balanced twice; give each rule once"),
+    ("compare_rules", ["--predict", "lab-check", "--steps", "0"], "--steps must be at least 1 (got 0)"),
+    ("compare_rules", ["{runs}", "--steps", "4"], "--steps and --steady go with --predict"),
+    ("compare_rules", ["--factorial", "{runs}", "--figure", "{files}/a_file/f.png"],
+     "{files}/a_file is not writable ([Errno 17] File exists"),  # once after every checkpoint's J
+    ("length_drift", ["--model", "lab", "--rules", "seq", "seq"], "--rules names seq twice; give each rule once"),
+    # the ledger's file once failed to be written after the whole measurement
+    ("memory_ledger", ["--out", "/proc/ledger.json"], "--out /proc/ledger.json: its directory is not writable ("),
+    ("memory_ledger", ["--lora-rank", "-1"], "--lora-rank must be in [0, 128] (got -1): 0 is full fine-tuning"),
+    ("memory_ledger", ["--lora-rank", "129"], "--lora-rank must be in [0, 128] (got 129): 0 is full fine-tuning, and a "
+     "rank above the --shape s1's hidden size 128 adds nothing"),
+    ("memory_ledger", ["--prompts", "0"], "--prompts must be a positive even number (got 0)"),  # blamed the model
+    ("memory_ledger", ["--prompts", "3"], "--prompts must be a positive even number (got 3): a step's prompts split"),
+    ("memory_ledger", ["--response-len", "0"], "--response-len must be at least 1 (got 0)"),
+    ("bench_step", ["--update-only", "--lora-rank", "-1"], "--lora-rank must be in [0, 1536] (got -1)"),
+    ("bench_rank_balance", ["--ranks", "0"], "--ranks must be at least 1 (got 0)"),
+    ("bench_rank_balance", ["--group-size", "0", "--trials", "0"], "--group-size must be at least 2 (got 0)"),
+    ("bench_rank_balance", ["--trials", "0"], "--trials must be at least 1 (got 0)"),
+    ("bench_rank_balance", ["--groups", "-1"], "--groups must be at least 1 (got -1)"),  # once: a multiple of --ranks
+    ("bench_rank_balance", ["--seed", "-1"], "--seed must be at least 0 (got -1)"),
+    ("bench_sandbox", ["--against", str(ROOT), "--workers", "4", "0"], "--workers must be at least 1 (got 0)"),
+    ("bench_sandbox", ["--against", str(ROOT), "--passes", "0"], "--passes must be at least 1 (got 0)"),
+]
+
+
+def error_lines(script: str, argv: list[str], monkeypatch, capsys) -> list[str]:
+    """What scripts/SCRIPT.py says of `argv` and ends on, run in this process (a process each costs 1.6 s of
+    imports): argparse's line on stderr, or sys.exit's message."""
+    import importlib
+
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"scripts.{script}").main()
+    said = capsys.readouterr().err.splitlines() + ([e.value.code] if isinstance(e.value.code, str) else [])
+    return [line for line in said if "error:" in line]
+
+
+@pytest.mark.parametrize("script,flags,message", SCRIPT_FLAGS,
+                         ids=[f"{s} {' '.join(f)}" for s, f, _ in SCRIPT_FLAGS])
+def test_every_script_checks_its_flags_before_any_work(script, flags, message, files, tmp_path, monkeypatch, capsys):
+    runs = paired_runs(tmp_path / "runs")
+    fill = lambda s: s.format(runs=runs, files=files)  # noqa: E731
+    lines = error_lines(script, [fill(f) for f in flags], monkeypatch, capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"{script}.py: error: {fill(message)}"), lines
+
+
+def test_the_rules_asked_for_are_compared_as_asked(tmp_path):
+    # the checks above refuse only what was asked for: the default takes the rules the directory has
+    runs = paired_runs(tmp_path / "runs")
+    for flags in ([], ["--rules", "token", "balanced"]):
+        res = run("scripts.compare_rules", str(runs), *flags)
+        assert res.returncode == 0 and [x.split(" |")[0] for x in res.stdout.splitlines() if x.startswith(
+            ("| token |", "| balanced |"))][:2] == ["| token", "| balanced"], res.stderr[-2000:]
+
+
+def test_bench_step_lora_rank_goes_with_update_only(monkeypatch, capsys):
+    from scripts import bench_step
+
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--lora-rank", "8"])  # the step benchmark ignored it
+    with pytest.raises(SystemExit):
+        bench_step.parse_args()
+    assert capsys.readouterr().err.splitlines()[-1] == ("bench_step.py: error: --lora-rank applies to --update-only "
+                                                        "(the step benchmark trains the whole model)")
+
+
+def test_ablation_refuses_a_rule_loss_or_seed_named_twice(tmp_path, monkeypatch, capsys):
+    from scripts import ablation
+
+    monkeypatch.setattr(ablation.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a[0]}"))
+    for flags, said in ((["--aggs", "seq", "seq"], "--aggs names seq twice"),
+                        (["--losses", "ppo", "gspo", "ppo"], "--losses names ppo twice"),
+                        (["--seeds", "1", "2", "1"], "--seeds names 1 twice")):
+        monkeypatch.setattr(sys, "argv", ["ablation.py", *flags, "--out", str(tmp_path / "abl")])
+        with pytest.raises(SystemExit):
+            ablation.main()
+        assert capsys.readouterr().err.splitlines()[-1] == f"ablation.py: error: {said}; give each once"
+    assert not (tmp_path / "abl").exists()
+
+
+def test_reproduce_refuses_an_unwritable_results_file_before_any_run(files, monkeypatch):
+    from scripts import reproduce
+
+    results = files / "a_file" / "results.md"
+    monkeypatch.setattr(reproduce, "RESULTS", results)
+    monkeypatch.setattr(reproduce.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a[0]}"))  # no run, no table
+    monkeypatch.setattr(sys, "argv", ["reproduce.py", "lab-check"])
+    with pytest.raises(SystemExit) as e:  # once written after hours of runs
+        reproduce.main()
+    assert str(e.value.code).startswith(f"reproduce.py: error: {results} is not writable ([Errno 17] File exists")
+    assert str(e.value.code).endswith("the sections and the figures go there")

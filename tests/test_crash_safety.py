@@ -4,6 +4,7 @@ degenerate batches, and one-line errors before any expensive work."""
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -164,6 +165,45 @@ def test_keep_last_prunes_states_and_resume_skips_a_damaged_checkpoint(reference
     assert all((ckpts / name / "state").is_dir() for name in ("step_000004", "step_000005", "step_000004.bak"))
 
 
+# every flag --resume may change, its new value, and what shows the resumed step used it (beyond hparams/FLAG,
+# which the step logs): the rate and weight decay as the optimizer holds them (a checkpoint's optimizer and
+# scheduler states once carried the old ones over the flags), the policy's module, the step's own metrics and files
+RESUMED = {"lr": "5e-4", "lr_warmup_steps": "10", "weight_decay": "0.05", "clip_eps_low": "0.1",
+           "clip_eps_high": "0.2", "kl_coef": "0.01", "max_response_len": "10", "temperature": "0.7", "top_p": "0.9",
+           "eval_dataset": "demo", "eval_samples": "2", "eval_limit": "3", "rollout_correction_cap": "3",
+           "micro_batch_size": "2", "gradient_checkpointing": None, "logprob_chunk": "64"}
+# SAPO's temperatures are read where the clip bounds are (policy_loss_per_token's arguments, from args at every
+# step); a PPO run refuses them, and a run's policy loss is its identity
+OTHER_LOSS = {"sapo_tau_pos", "sapo_tau_neg"}
+
+
+@pytest.mark.slow
+def test_every_flag_a_resume_may_change_takes_effect(reference_run, demo_dir, tmp_path):
+    assert set(RESUMED) | OTHER_LOSS == grpo_run.flags_with("resume")  # a new resume flag is added here
+    assert OTHER_LOSS <= {k for p in train_grpo.POLICY_LOSS_DEFAULTS.values() for k in p}
+    out = tmp_path / "run"
+    shutil.copytree(reference_run[0], out)
+    flags = [x for k, v in RESUMED.items() for x in ("--" + k.replace("_", "-"), *([v] if v else []))]
+    res = train(out, "--save-interval", "1", "--keep-last", "2", "--steps", "6", "--resume", *flags, port=29645)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = metrics(out)
+    assert m[5] == pytest.approx(reference_run[1][5])  # resumed from step 5, as it was
+    logged = {k.removeprefix("hparams/"): v for k, v in m[6].items() if k.startswith("hparams/")}
+    assert logged == pytest.approx({k: float(v or 1) for k, v in RESUMED.items() if k != "eval_dataset"})
+    # the rate: 5e-4 x the 10-step warm-up's factor at the updates the checkpoint had applied
+    state = torch.load(next((out / "checkpoints" / "step_000005").glob("state/**/*mp_rank_00_model_states.pt")),
+                       weights_only=False, map_location="cpu")
+    done = state["global_steps"] - state["skipped_steps"]
+    assert 0 < done < 20 and m[6]["lr"] == pytest.approx(5e-4 * (done + 1) / 20)
+    assert m[5]["lr"] == pytest.approx(1e-3) and m[5]["hparams/weight_decay"] == 0.0
+    assert m[6]["train/micro_batches"] == 2 * m[5]["train/micro_batches"] == 4  # 8 responses a rank, 2 a row
+    assert m[6]["length/max"] <= 10
+    assert "eval/acc@2" in m[6] and "eval/acc@4" not in m[6]
+    ids = [json.loads(x)["id"] for x in (out / "eval" / "step_000006.jsonl").read_text().splitlines()]
+    train_ids = {json.loads(x)["id"] for x in (demo_dir / "train.jsonl").read_text().splitlines()}
+    assert len(ids) == 3 and set(ids) <= train_ids  # --eval-dataset demo: the training prompts
+
+
 @pytest.mark.slow
 def test_a_resume_cuts_the_micro_batches_its_run_recorded(reference_run, tmp_path):
     # every checkpoint records the sizes its micro-batches were cut by (on CUDA the token budget measured at the
@@ -191,40 +231,46 @@ def test_a_resume_cuts_the_micro_batches_its_run_recorded(reference_run, tmp_pat
 
 @pytest.mark.slow
 def test_a_rank_killed_in_a_step_is_named_with_the_checkpoint_to_resume_from(tmp_path, demo_dir):
-    """Rank 1 SIGKILLed in step 3 (as the OOM killer ends a rank), under the real launcher: the launch ends in one
-    line naming it and where the same command resumes, not in the survivor's traceback of a broken collective."""
+    """Rank 1 SIGKILLed in step 3 (as the OOM killer ends a rank), its .rank1.pid removed by hand before: under the
+    real launcher the launch ends in one line naming it and where the same command resumes, not in the survivor's
+    traceback of a broken collective (a file left by the killed rank: test_a_rank_gone_with_its_file_...)."""
     out = tmp_path / "run"
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", "29639",
            "tests/fault_train.py", "--output-dir", str(out), *RUN, "--steps", "4"]
-    res = subprocess.run(cmd, cwd=ROOT, env=cpu_env(GRPO_FAULT_KILL_RANK="1:3"), capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(cmd, cwd=ROOT, env=cpu_env(GRPO_FAULT_KILL_RANK="1:3", GRPO_FAULT_UNFILE="1"),
+                         capture_output=True, text=True, timeout=600)
     said = res.stdout + res.stderr
     assert res.returncode != 0 and "Traceback" not in said, said[-3000:]
-    pid = int((out / ".rank1.pid").read_text().split()[1])  # left by the killed rank, as it wrote it at its start
-    assert [x for x in said.splitlines() if x.startswith("train_grpo.py")] == [
-        f"train_grpo.py: error: rank 1 (pid {pid}) died during step 3 (killed by a signal, e.g. the OOM killer); "
-        f"the same command resumes the run from {out}/checkpoints/step_000002 (step 2)"]
-    assert not (out / ".rank0.pid").exists()  # the survivor ended on its own
+    assert not (out / ".rank1.pid").exists()
+    lines = [x for x in said.splitlines() if x.startswith("train_grpo.py")]
+    assert len(lines) == 1 and re.fullmatch(
+        r"train_grpo.py: error: rank 1 \(pid \d+\) died during step 3 \(killed by a signal, e.g. the OOM killer\); "
+        f"the same command resumes the run from {re.escape(str(out))}/checkpoints/step_000002 \\(step 2\\)",
+        lines[0]), lines
+    assert (out / ".rank0.pid").read_text() == grpo_run.ENDED  # the survivor ended on its own
 
 
-def test_a_rank_gone_with_its_file_left_died_and_one_that_removed_it_ended(tmp_path, monkeypatch):
-    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def test_a_rank_gone_with_its_file_unmarked_died_and_one_that_marked_it_ended(tmp_path, monkeypatch):
+    killed, unfiled = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     host = socket.gethostname()
-    ranks = [(os.getpid(), host), (killed.pid, host), (ended.pid, host), (killed.pid, "another-node")]
+    ranks = [(os.getpid(), host), (killed.pid, host), (ended.pid, host), (killed.pid, "another-node"),
+             (unfiled.pid, host)]
     monkeypatch.setattr(grpo_run, "LAUNCH", {"ranks": ranks, "rank": 0, "out_dir": tmp_path, "step": 3})
-    for r in range(4):
-        grpo_run.rank_file(tmp_path, r).write_text("")
-    grpo_run.rank_file(tmp_path, 2).unlink()  # as one_line_early_ends removes it, however the rank ends
+    for r in range(5):
+        grpo_run.rank_file(tmp_path, r).write_text(f"pid {ranks[r][0]} on {ranks[r][1]}\n")
+    grpo_run.rank_file(tmp_path, 2).write_text(grpo_run.ENDED)  # as one_line_early_ends marks it, however it ends
+    grpo_run.rank_file(tmp_path, 4).unlink()  # removed by hand: its death is still a death without a word
     assert grpo_run.dead_ranks() == ([], [2])
-    killed.kill()
+    for p in (killed, unfiled):
+        p.kill()
     deadline = time.time() + 10
-    while not grpo_run.process_gone(killed.pid) and time.time() < deadline:  # unreaped: a zombie, as a launcher's
-        time.sleep(0.01)                                                    # rank is until it polls
-    assert grpo_run.dead_ranks() == ([1], [2])  # (rank 3, on another node, cannot be seen from here)
-    killed.wait()
-    assert grpo_run.dead_ranks() == ([1], [2])
+    while not all(map(grpo_run.process_gone, (killed.pid, unfiled.pid))) and time.time() < deadline:
+        time.sleep(0.01)  # unreaped: a zombie, as a launcher's rank is until it polls
+    assert grpo_run.dead_ranks() == ([1, 4], [2])  # (rank 3, on another node, cannot be seen from here)
+    killed.wait(), unfiled.wait()
+    assert grpo_run.dead_ranks() == ([1, 4], [2])
 
 
 @pytest.mark.slow
@@ -263,6 +309,12 @@ def test_degenerate_batches(tmp_path, demo_dir):
         assert m[step]["length/truncation_rate"] == 1.0 and m[step]["loss/pg"] == 0.0
     dropped = int(res.stdout.split("training prompts (")[1].split(" too long")[0])
     assert 0 < dropped < 80 - 8
+    # held-out prompts too (once dropped unsaid): as many as the trainer's loader drops before --eval-limit's 4
+    from transformers import AutoTokenizer
+
+    args = train_grpo.parse_args(["--max-prompt-len", "13", "--eval-limit", "4"])
+    held_out = grpo_run.load_prompts("demo-test", AutoTokenizer.from_pretrained(demo_dir / "model"), args, 4)[1]
+    assert f"eval prompts ({held_out} too long, dropped)" in res.stdout and held_out > 0
     final = load_file(out / "checkpoints" / "step_000002" / "model.safetensors")
     initial = load_file(demo_dir / "model" / "model.safetensors")
     # skipped, not nudged by AdamW (the shipped weights are bf16; the CPU trainer exports fp32)
@@ -353,6 +405,32 @@ def test_a_full_disk_ends_in_one_line_and_keeps_the_newest_checkpoint(tmp_path, 
     assert (copy / "checkpoints" / "latest").read_text() == "step_000001"
     assert grpo_run.checkpoint_problem(copy / "checkpoints" / "step_000001", 1) is None
     assert load_file(copy / "checkpoints" / "step_000001" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_between_checkpoints_ends_two_ranks_in_one_line(tmp_path, demo_dir):
+    """2 ranks under the real launcher, the run directory on a 32 MiB filesystem that another process fills once
+    step 1's checkpoint is in place: step 2's log write finds it full. One line, and neither TensorBoard's writer
+    thread nor the other rank's broken collective adds a traceback."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    fill = ('(for i in $(seq 3000); do [ -s "$0/run/checkpoints/latest" ] && exec cat /dev/zero > "$0/fill"; '
+            'sleep 0.1; done) >/dev/null 2>&1 &')
+    mount = f'mount -t tmpfs -o size=32m tmpfs "$0" && {fill} "$@"'
+    if subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs $0", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("no user and mount namespace here (unshare -rm) to make a small filesystem in")
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(disk), deepspeed, "--num_gpus", "2",
+                          "--master_port", "29644", "train_grpo.py", "--output-dir", str(disk / "run"), *RUN,
+                          "--save-interval", "1"], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                         timeout=600)
+    said = res.stdout + res.stderr
+    assert res.returncode != 0 and "Traceback" not in said, said[-3000:]
+    out = disk / "run"
+    assert [x for x in said.splitlines() if "error:" in x] == [
+        f"train_grpo.py: error: no space left on {out}; the same command resumes the run from "
+        f"{out}/checkpoints/step_000001 (step 1)"], said[-3000:]
 
 
 def run_cli(*flags, env=None, script="train_grpo.py"):

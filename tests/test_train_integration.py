@@ -51,6 +51,7 @@ def test_two_rank_run(agg, minibatches, correction, loss, extra, demo_dir, tmp_p
                         "--rollout-correction", correction, "--policy-loss", loss, *extra, *FLAGS, port=29620)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_29620_*")  # no 66 MiB a rank left behind
+    assert "deepspeed_shm_comm" not in res.stdout + res.stderr  # the op DeepSpeed says it built and loaded: none
     defaults = {"ppo": "clip_eps_low 0.2, clip_eps_high 0.28", "gspo": "clip_eps_low 0.0003, clip_eps_high 0.0004",
                 "sapo": "sapo_tau_pos 1.0, sapo_tau_neg 1.05", "cispo": "clip_eps_low 1.0, clip_eps_high 4.0"}
     assert f"policy loss {loss} ({defaults[loss]})" in res.stdout  # each paper's defaults, said at start

@@ -173,7 +173,7 @@ def main() -> None:
     after = master_weights(engine)
 
     result["checkpoint_problem"] = checkpoint_problem(root / "step_000001", world)
-    result["resumed_step"] = T.load_training_state(engine, root / "step_000001", rank)["step"]
+    result["resumed_step"] = T.load_training_state(engine, root / "step_000001", rank, args)["step"]
     loaded = master_weights(engine)
     again = update(engine, ref_engine, args, batching, 2, rank, device)
     redone = master_weights(engine)
@@ -184,7 +184,7 @@ def main() -> None:
         redone_diff=max((x - b).abs().max().item() for b, x in zip(after, redone)),
         redo_rel=relative_distance(redone, after, saved), tolerance=REDO_TOLERANCE, faults={})
     for fault in FAULTS:  # the same redo from a resume broken on purpose: the criterion must catch it
-        T.load_training_state(engine, root / "step_000001", rank)
+        T.load_training_state(engine, root / "step_000001", rank, args)
         break_resume(engine, fault)
         update(engine, ref_engine, args, batching, 2, rank, device)
         result["faults"][fault] = relative_distance(master_weights(engine), after, saved)
