@@ -75,9 +75,9 @@ def right_responses(task: str, a: int, b: int) -> list[str]:
     return [" check" * k + f" \\boxed{{{a + b}}}" for k in range(27)]
 
 
-def success_probability(model, tok, task: str, pairs: list[tuple[int, int]]) -> dict[str, float]:
-    """J: the probability of a right answer, mean over the prompts (exact over right_responses); and
-    the two decisions: check first, and answer after one check."""
+def success_probability(model, tok, task: str, pairs: list[tuple[int, int]]) -> dict:
+    """J: the probability of a right answer, mean over the prompts (exact over right_responses), and each
+    prompt's own (per_prompt); and the two decisions: check first, and answer after one check."""
     from data.templates import render_prompt
 
     eos, texts, spans = tok.eos_token_id, [], []
@@ -97,14 +97,16 @@ def success_probability(model, tok, task: str, pairs: list[tuple[int, int]]) -> 
             logp += list(lp.gather(-1, ids[:, 1:, None])[..., 0])
     per = len(right_responses(task, 0, 0))
     J = check = stop = 0.0
+    each = [0.0] * len(pairs)
     for k, (t, start) in enumerate(zip(texts, spans)):
         tokens = logp[k][start - 1 : len(t) - 1]  # the response's tokens, EOS included
         J += float(tokens.sum().exp())
+        each[k // per] += float(tokens.sum().exp())
         if k % per == 1:  # " check \boxed{c}": the first token, and the answer after one check
             check += float(tokens[0].exp())
             stop += float(tokens[1].exp())
     n = len(pairs)
-    return {"J": J / n, "check_first": check / n, "answer_after_check": stop / n}
+    return {"J": J / n, "check_first": check / n, "answer_after_check": stop / n, "per_prompt": each}
 
 
 def sample_step(model, tok, pairs: list[tuple[int, int]], gen: torch.Generator, args: argparse.Namespace
@@ -211,6 +213,7 @@ def predict(task: str, steps: int, seed: int = 0, steady: bool = False, extra: t
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     train_pairs, test_pairs = split_pairs()
     base = success_probability(model, tok, task, test_pairs)
+    del base["per_prompt"]  # the gains are of the means
     gen = torch.Generator().manual_seed(seed)
     args = {agg: rule_args(task, agg, list(extra)) for agg in rules}  # each rule's run, as the ablation trains it
     sampling = args[REFERENCE]  # how every rule's run samples (the rules differ in the update only)
@@ -422,7 +425,7 @@ def compare(runs_dir: Path, rules: list[str] = RULES) -> str:
     return "\n".join(lines)
 
 
-def checkpoint_decisions(ckpt: str, task: str) -> dict[str, float]:
+def checkpoint_decisions(ckpt: str, task: str) -> dict:
     """success_probability of a checkpoint on the 200 held-out prompts: J and the two decisions, exact."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -83,6 +83,11 @@ EXPERIMENTS: dict[str, tuple[str, list[list[str]], list[list[str]]]] = {
          for arm, flags in compare_rules.LORA_ARMS.items()],
         [[COMPARE_RULES, "--lora", "runs/lora", "--figure", "docs/lora.png"]],
     ),
+    "heldout-design": (
+        "Table 1's measure at lab scale, the design before its runs: the power analysis behind its seeds",
+        [],
+        [["scripts.heldout_study", "--design"]],
+    ),
     "lab": (
         "The aggregation lab: every rule x 3 seeds, 40 steps, Acc@8 of every checkpoint (Table 1's layout)",
         [["--model", "lab", "--aggs", *LAB_RULES]],
