@@ -237,6 +237,8 @@ def test_a_checkpoints_decisions_are_the_predictions_baseline():
     from data.demo import model_dir
 
     m = C.checkpoint_decisions(model_dir("lab-check"), "lab-check")
+    assert len(m["per_prompt"]) == 200 and sum(m["per_prompt"]) / 200 == pytest.approx(m["J"], rel=1e-12)
+    assert 0 < min(m["per_prompt"]) and max(m["per_prompt"]) < 1  # each prompt's own probability, not a sum
     assert (f"lab-check: J {m['J']:.4f} (right answers, held-out prompts), check first {m['check_first']:.3f}, "
             f"answer after one check {m['answer_after_check']:.3f};") in prediction_section()["lab-check"]["head"]
 
