@@ -263,6 +263,15 @@ def heldout_study(runs_dir: Path, probabilities=prompt_probabilities, checkpoint
                      f"{' '.join(f'{v:+.1f}' for v in diffs[c])} | {r['mean']:+.2f} | [{r['lo']:+.2f}, "
                      f"{r['hi']:+.2f}] | {r['dz']:+.2f} | {r['t']:+.2f} | {p_text(p_adj[c])} (Holm) | "
                      + (f"{p_text(tost[c])} (Holm) |" if c in tost else "- |"))
+    # the power each primary test had: at the planned effect and margin, with the spread these seeds realised
+    level, effect = ALPHA / len(PRIMARY), -sum(FACTORIAL_J["long"]) / len(FACTORIAL_J["long"])
+    lines += ["", f"Power of the primary tests at the spread realised (level {level:.4f}, Holm's first step), against "
+              f"the planned effect {effect:.2f} (t-test) and a true 0 (TOST, ± {MARGIN})\n",
+              "| point | contrast | sd of d | t-test power | TOST power |", "|---|---|---|---|---|"]
+    for c in PRIMARY:
+        s, n = tests[c]["sd"], len(seeds)
+        t_power, e_power = (power_t(n, effect, s, level), power_tost(n, MARGIN, s, level)) if s > 0 else (1.0, 1.0)
+        lines.append(f"| {c[2]} | {REFERENCE} - {c[3]} | {s:.2f} | {t_power:.2f} | {e_power:.2f} |")
     return "\n".join(lines)
 
 

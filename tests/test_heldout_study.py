@@ -121,6 +121,10 @@ def test_the_report_tests_balanced_against_each_rule_at_the_peak_and_the_last_ex
     assert out.count("| secondary |") == len(H.SECONDARY) and out.count("| primary |") == len(H.PRIMARY)
     seq_last = next(x for x in out.splitlines() if x.startswith("| primary | coupled | Acc@8 | last | balanced - seq"))
     assert f"{paired_p(p_adj, ('coupled', 'Acc@8', 'last', 'seq'))} (Holm)" in seq_last
+    spread = paired(rows[("coupled", "Acc@8", "last", "token")], H.MARGIN)["sd"]  # 1.0: the deficits 1, 2, 3
+    level = H.ALPHA / len(H.PRIMARY)
+    power = H.power_t(3, -sum(H.FACTORIAL_J["long"]) / 12, spread, level)
+    assert f"| last | balanced - token | {spread:.2f} | {power:.2f} |" in out
     assert "| coupled | token | 1 | 67.0 / 56.0 |" in out  # per seed: Acc@8 at the peak (step 5) / the last
 
 
