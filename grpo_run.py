@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import errno
 import fcntl
 import functools
@@ -667,11 +668,21 @@ def damaged_shard(ckpt: Path, rank: int) -> str | None:
     return None
 
 
+def release_optimizer_states(engine) -> None:
+    """Drop Adam's moments before a load replaces them: torch's Optimizer.load_state_dict builds every state from
+    the saved dict (copied to the device) before it lets the old go, so a reload after steps would hold the
+    moments twice at its peak (8 B a trained parameter over the ranks). A swapping optimizer keeps its own."""
+    zero = engine.optimizer
+    if not getattr(zero, "swap_optimizer", False) and hasattr(zero, "optimizer"):
+        zero.optimizer.state.clear()
+
+
 def load_training_state(engine, ckpt: Path, rank: int, args) -> dict:
     """Model, optimizer, RNG and trainer state from `ckpt` (checked by damaged_shard first), under this launch's
     --lr, --weight-decay and --lr-warmup-steps (apply_optimizer_flags); a DeepSpeed config's own scheduler is
     restored as saved."""
     ours = engine.client_lr_scheduler is not None  # linear_warmup's: rebuilt from the flags, not loaded
+    release_optimizer_states(engine)
     load_path, _ = engine.load_checkpoint(str(ckpt), tag="state", load_lr_scheduler_states=not ours)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}/state")
@@ -908,12 +919,16 @@ def note_ranks(out_dir: Path, rank: int, all_gather: Callable) -> None:
 
 
 def forget_rank(done: bool = False) -> None:
-    """This rank ends on its own (said why, or is told to): its file says so, and no survivor takes it for killed;
-    a launch that is `done` (every rank past its last collective) removes it."""
+    """This rank ends on its own (said why, or is told to, or is `done`: past its last collective): its file says
+    so, and no survivor takes it for killed. The last rank to end (every file marked) removes them all: a peer
+    still running never finds a finished rank's file gone."""
     if LAUNCH["out_dir"] is not None:
         with contextlib.suppress(OSError):
-            path = rank_file(LAUNCH["out_dir"], LAUNCH["rank"])
-            path.unlink() if done else path.write_text(ENDED)
+            rank_file(LAUNCH["out_dir"], LAUNCH["rank"]).write_text(ENDED)
+            ranks = range(len(LAUNCH["ranks"]))
+            if done and all(ended_on_its_own(r) for r in ranks):
+                for r in ranks:
+                    rank_file(LAUNCH["out_dir"], r).unlink(missing_ok=True)
 
 
 def ended_on_its_own(rank: int) -> bool:
@@ -948,6 +963,51 @@ def dead_ranks(wait_s: float = 0.0) -> tuple[list[int], list[int]]:
         time.sleep(0.05)
 
 
+ENDING = threading.Lock()  # held by whichever of the main thread and the rank watcher ends the rank first
+
+
+def claim_end() -> None:
+    """The main thread's turn to end the rank; if the watcher took it, its line is said and its exit under way."""
+    if not ENDING.acquire(blocking=False):
+        threading.Event().wait()
+
+
+def end_launch(why: str, code: int, dead: list[int], out_dir: Path) -> None:
+    """Say `why` in one line with where the run resumes (rank 0, or the lowest surviving rank of its host if rank 0
+    is among the `dead`), and end this rank without the interpreter's teardown."""
+    rank = int(os.environ.get("RANK", "0"))
+    survivors = [r for r, (_, h) in enumerate(LAUNCH["ranks"]) if h == socket.gethostname() and r not in dead]
+    if rank == 0 or (0 in dead and rank == min(survivors)):  # after a progress bar's unfinished line
+        where = resume_point(out_dir, int(os.environ.get("WORLD_SIZE", "1")))
+        print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
+    exit_without_teardown(code)
+
+
+def death_line(dead: list[int]) -> str:
+    step = LAUNCH["step"]
+    when = f"during step {step}" if step is not None else "before the launch's first step"
+    who = " and ".join(f"rank {r} (pid {LAUNCH['ranks'][r][0]})" for r in dead)
+    return f"error: {who} died {when} (killed by a signal, e.g. the OOM killer)"
+
+
+def watch_ranks(out_dir: Path, stop: threading.Event, period_s: float = 1.0) -> threading.Thread:
+    """A thread that names a rank of this host that died without a word (dead_ranks) within `period_s` and ends
+    this survivor, whatever its main thread waits in: under NCCL a survivor blocks in a CUDA synchronisation on a
+    collective's kernel that never returns to Python, where no signal handler runs. `stop` ends the watch (set
+    and joined before this rank marks its file done). Ranks on other nodes cannot be seen from here: the
+    collective timeout (collective_timeout) ends those launches."""
+    def watch() -> None:
+        while not stop.wait(period_s):
+            dead = dead_ranks()[0] if LAUNCH["ranks"] else []
+            if dead and not stop.is_set() and ENDING.acquire(blocking=False):
+                forget_rank()
+                end_launch(death_line(dead), 1, dead, out_dir)
+
+    thread = threading.Thread(target=watch, name="rank-watcher", daemon=True)
+    thread.start()
+    return thread
+
+
 def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
     """A decorator of main(argv): Ctrl-C, SIGTERM (a scheduler's preemption) and a full disk end every rank
     at once; rank 0 says in one line why, and where the run in output_dir(argv) resumes from. So does a rank
@@ -968,6 +1028,8 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
             before, thread_hook = signal.signal(signal.SIGTERM, interrupt), threading.excepthook
             threading.excepthook = full_disk_said_once
             LAUNCH.update(ranks=[], rank=None, out_dir=None, step=None)  # none of an earlier main() in this process
+            stop = threading.Event()
+            watcher = watch_ranks(Path(output_dir(argv)), stop)
             done = False
             try:
                 result = train(argv)
@@ -986,6 +1048,7 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
                 # another node's rank that ended on its own marked its file first (the run directory is shared)
                 ended += [r for r in remote if ended_on_its_own(r)]
                 if lost and not dead and ended:  # a peer that ended on its own said why
+                    claim_end()
                     exit_without_teardown(1)
                 if lost and not dead and not remote:
                     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -993,8 +1056,7 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
                 rank, step = int(os.environ.get("RANK", "0")), LAUNCH["step"]
                 when = f"during step {step}" if step is not None else "before the launch's first step"
                 if dead:
-                    who = " and ".join(f"rank {r} (pid {LAUNCH['ranks'][r][0]})" for r in dead)
-                    code, why = 1, f"error: {who} died {when} (killed by a signal, e.g. the OOM killer)"
+                    code, why = 1, death_line(dead)
                 elif lost:
                     code, why = 1, (f"error: rank {rank} lost its connection to a rank on another node {when} (it "
                                     "died, e.g. killed by the OOM killer, or the network failed)")
@@ -1003,13 +1065,11 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
                 else:  # a save's own message names its directory; a log write's names none
                     said = str(e.strerror).startswith("no space left on")
                     code, why = 1, f"error: {e.strerror if said else f'no space left on {output_dir(argv)}'}"
-                survivors = [r for r, (_, h) in enumerate(LAUNCH["ranks"]) if h == socket.gethostname()
-                             and r not in dead]
-                if rank == 0 or (0 in dead and rank == min(survivors)):  # after a progress bar's unfinished line
-                    where = resume_point(Path(output_dir(argv)), int(os.environ.get("WORLD_SIZE", "1")))
-                    print(f"\ntrain_grpo.py: {why}; {where}", file=sys.stderr, flush=True)
-                exit_without_teardown(code)
+                claim_end()
+                end_launch(why, code, dead, Path(output_dir(argv)))
             finally:
+                stop.set()
+                watcher.join()
                 forget_rank(done)
                 signal.signal(signal.SIGTERM, before)
                 threading.excepthook = thread_hook
@@ -1177,9 +1237,14 @@ def micro_batches(seq_lens: list[int], max_rows: int | None, max_tokens: int = 0
 # Memory: what a micro-batch of the update holds on CUDA, and the token budget sized from it
 
 
+# ZeRO-3 waits for its oldest reduction once more than 2 are outstanding (stage3.py's max_param_reduce_events): up
+# to 3 are in flight on CUDA's reduce stream
+REDUCTIONS_IN_FLIGHT = 3
+
+
 def memory_model(config, checkpointing: bool, chunk: int, attention: str, longest: int,
-                 live_params: float = 1e9, world: int = 1, reduce_bucket: float = 5e8, lora_rank: int = 0
-                 ) -> dict[str, float]:
+                 live_params: float = 1e9, world: int = 1, reduce_bucket: float = 5e8, lora_rank: int = 0,
+                 synchronized: bool = False) -> dict[str, float]:
     """Bytes a rank holds at the peak of a micro-batch's forward and backward on CUDA (bf16, fp32 norms), as
     'per_token' (times the micro-batch's tokens) and 'fixed', with the terms they sum; `attention`: the kernel
     the update runs (attention_kind). Per token:
@@ -1208,7 +1273,15 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
     memory free before that step lacks them ('first step').
     Transient beside the micro-batch's: the gradients in flight at the end of a backward, before ZeRO-3's
     reduce-scatter empties them into the partitions (bf16 gradients and their fp32 copies: 8 B an element, at most
-    a reduce bucket's worth; measured on one rank, where the whole model is one bucket: 8 P). Then the optimizer
+    a reduce bucket's worth; measured on one rank, where the whole model is one bucket: 8 P), and beside them the
+    gradients larger than the bucket, which ZeRO-3 reduces one by one outside it (stage3.py's
+    __add_grad_to_ipg_bucket and __avg_scatter_grads): each holds its bf16 gradient and an fp32 copy (6 B an
+    element), and 4 B more where the reduce-scatter makes a second fp32 buffer (reduce_scatter_coalesced's
+    interleaved copy where `world` does not divide it; on a `synchronized` device, DeepSpeed's CPU accelerator,
+    gloo's copy of its input: measured 8 B beside the bf16 2). They arrive in the backward's order (lm_head
+    first, the layers from the last, the embedding last), and up to REDUCTIONS_IN_FLIGHT are outstanding on CUDA,
+    one on a synchronized device: the most any such run of consecutive ones holds ('gradients beyond the
+    bucket'). Then the optimizer
     step's own, when the micro-batches' are gone: the fp32 gradients it clips and the bf16 copy of the updated
     master weights ('step', at most 6 P / world; measured 4.0-5.6). A resume reads the checkpoint's fp32 master
     weights and moments (12 P / world) before it copies them in: host memory on CUDA, where DeepSpeed maps the
@@ -1240,6 +1313,17 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
     params = embeddings + layers * (h * q + 2 * h * kv + q + 2 * kv + q * h + 3 * h * i + 2 * h) + h
     adapters = layers * lora_rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
     trained = adapters if lora_rank else params
+    # the trained weight matrices in the order their gradients arrive (biases and norms are far below any bucket):
+    # an untied lm_head, each layer's from down_proj back to q_proj, the embedding; an adapter's A is R x in, B out x R
+    linears = [(i, h), (h, i), (h, i), (q, h), (h, kv), (h, kv), (h, q)]
+    if lora_rank:
+        arriving = [lora_rank * n for _ in range(layers) for pair in linears for n in pair]
+    else:
+        untied = [vocab * h] if embeddings > vocab * h else []
+        arriving = untied + [a * b for _ in range(layers) for a, b in linears] + [vocab * h]
+    beyond = [(6 + 4 * (synchronized or n % world != 0)) * n for n in arriving if n > reduce_bucket]
+    run = 1 if synchronized else REDUCTIONS_IN_FLIGHT
+    beyond_bytes = max((sum(beyond[k:k + run]) for k in range(len(beyond))), default=0)
     fixed = {"log-prob chunk": 16 * chunk * vocab, "embedding and lm_head": 4 * embeddings,
              "live parameters": 2 * min(live_params, params + adapters)}
     shard, trained_shard = math.ceil((params + adapters) / world), math.ceil(trained / world)
@@ -1249,7 +1333,8 @@ def memory_model(config, checkpointing: bool, chunk: int, attention: str, longes
                 "reduce bucket": 4 * reduce_bucket}
     return {**per_token, **fixed, **resident, "per_token": sum(per_token.values()), "fixed": sum(fixed.values()),
             "params": params + adapters, "trained": trained, "resident": sum(resident.values()),
-            "first step": resident["optimizer states"], "gradients in flight": 8 * min(trained, reduce_bucket),
+            "first step": resident["optimizer states"], "gradients beyond the bucket": beyond_bytes,
+            "gradients in flight": 8 * min(trained, reduce_bucket),
             "step": 6 * trained_shard, "checkpoint read": 12 * trained_shard + 2 * frozen_shard}
 
 
@@ -1265,9 +1350,10 @@ def resident_bytes(model: dict[str, float]) -> float:
 
 def micro_batch_bytes(model: dict[str, float], tokens: int, backward: bool = True) -> float:
     """What a micro-batch of `tokens` holds beside the resident states (memory_model's groups): its fixed bytes,
-    its tokens' and, with a backward, the gradients in flight at its end."""
+    its tokens' and, with a backward, the gradients in flight at its end (in the reduce bucket and beyond it)."""
     fixed = sum(model[g] for g in FIXED_GROUPS)
-    return fixed + model["per_token"] * tokens + (model["gradients in flight"] if backward else 0.0)
+    in_flight = model["gradients in flight"] + model["gradients beyond the bucket"]
+    return fixed + model["per_token"] * tokens + (in_flight if backward else 0.0)
 
 
 def token_budget(model: dict[str, float], free_bytes: int, longest: int, to_come: float = 0) -> int:
@@ -1527,7 +1613,19 @@ def start_deepspeed_comm(cuda: bool) -> None:
 
     if not cuda:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed keeps the dict, edits included
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=collective_timeout())
+
+
+COLLECTIVE_TIMEOUT_MIN = 30
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a rank may wait in a collective before the launch is torn down: DeepSpeed's own variable
+    DEEPSPEED_TIMEOUT (minutes), COLLECTIVE_TIMEOUT_MIN by default against DeepSpeed's 10. Rank 0 writes each
+    checkpoint's export (15 GB at 7B) while the others wait in the save's barrier, on a shared filesystem that may
+    write 10-20 MB/s; a rank that died on another node is found only by this timeout (one on this host, by
+    watch_ranks within a second)."""
+    return datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", COLLECTIVE_TIMEOUT_MIN)))
 
 
 def init_distributed(out_dir: Path, checkpoints: list[Path], world: int, all_gather: Callable) -> tuple[int, int]:

@@ -162,7 +162,7 @@ def predicted_peak(phase: str, model: dict, ledger: dict) -> float | None:
         return resident + model["step"]
     if part == "log-probs":
         return resident + micro_batch_bytes(model, ledger["settings"]["micro_batch_tokens"], backward=False)
-    if phase == "resume: load":
+    if phase in ("resume: load", "reload: load"):  # Adam's moments released before the read (load_training_state)
         return resident - model["optimizer states"] + model["checkpoint read"]
     if phase == "save":
         return resident + micro_batch_bytes(model, 0, backward=False)
@@ -259,9 +259,12 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
                          "--lr-warmup-steps", "0", "--micro-batch-tokens", str(a.micro_batch_tokens),
                          "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len),
                          "--lora-rank", str(a.lora_rank)])
+    ds_config = T.deepspeed_config(args, 1, bf16=True)
+    if a.reduce_bucket is not None:
+        ds_config["zero_optimization"]["reduce_bucket_size"] = a.reduce_bucket
     ledger, resident, tokens = Ledger(), {}, {}
     with ledger:
-        engine = build(ledger, args, work, T.deepspeed_config(args, 1, bf16=True))
+        engine = build(ledger, args, work, ds_config)
         resident["built"] = ledger.snapshot()
         if resume:
             ledger.phase = "resume: load"
@@ -278,6 +281,11 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
                 grpo_run.save_checkpoint(engine, AutoTokenizer.from_pretrained(model_dir("demo")),
                                          work / "run" / "checkpoints", 1, {"step": 1, "order": [], "bad_streak": 0},
                                          rank, keep_last=2, weights=T.policy_weights(engine))
+        if not resume:  # a reload in the same process, Adam's moments already made (the GPU check's redo)
+            ledger.phase = "reload: load"
+            T.load_training_state(engine, work / "run" / "checkpoints" / "step_000001", rank, args)
+            refile_states(ledger, engine)
+            resident["reloaded"] = ledger.snapshot()
     config = engine.module.config
     zero = engine.config["zero_optimization"]
     return {"peaks": ledger.peaks, "maxima": ledger.maxima, "resident": resident, "tokens": tokens,
@@ -291,7 +299,8 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
 
 def check_args(a: argparse.Namespace) -> None:
     """Every setting that cannot run, in one line, before the engine starts and minutes of measuring."""
-    for k in ("prompt_len", "response_len", "micro_batch_tokens", "logprob_chunk"):
+    for k in ("prompt_len", "response_len", "micro_batch_tokens", "logprob_chunk") + ("reduce_bucket",) * (
+            a.reduce_bucket is not None):
         if getattr(a, k) < 1:  # a budget of 0 (by --micro-batch-size) is not the one memory_model is held to
             raise ValueError(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(a, k)})")
     if a.prompts < 2 or a.prompts % 2:  # the trainer's rule: each mini-batch takes whole groups
@@ -312,6 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
     p.add_argument("--logprob-chunk", type=int, default=256)
     p.add_argument("--lora-rank", type=int, default=0, help="the trainer's --lora-rank: adapters, the base frozen")
+    p.add_argument("--reduce-bucket", type=int, default=None,
+                   help="ZeRO-3's reduce_bucket_size in elements (default: ds_config.json's); below a weight's size, "
+                        "its gradient is reduced outside the bucket")
     p.add_argument("--resume-in", default=None, help=argparse.SUPPRESS)  # the resume's own process
     a = p.parse_args(argv)
     try:
@@ -338,9 +350,10 @@ def main(argv: list[str] | None = None) -> dict:
     st = result["settings"]
     from transformers import Qwen2Config
 
+    # DeepSpeed's CPU accelerator is a synchronised device: one reduction at a time, gloo's reduce-scatter
     result.update(shape=a.shape, model=memory_model(Qwen2Config(**st["config"]), st["checkpointing"], st["chunk"],
                                                      "flash", st["longest"], st["live_params"], st["world"],
-                                                     st["reduce_bucket"], st["lora_rank"]))
+                                                     st["reduce_bucket"], st["lora_rank"], synchronized=True))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
     cfg = result["settings"]["config"]

@@ -11,8 +11,12 @@ trainer itself reads no fault switch). Launched as `deepspeed tests/fault_train.
     GRPO_FAULT_KILL_RANK=r:k    rank r SIGKILLs itself in step k, its rollout done (as the OOM killer ends a
                                 rank: without a word, its peers left in the step's next collective)
     GRPO_FAULT_UNFILE=1         ... and removes its .rankN.pid first, as a user's clean-up by hand would
+    GRPO_FAULT_STALL=1          ... while every other rank blocks in a C call that never returns to Python (a
+                                mutex locked twice), as a survivor under NCCL waits in a CUDA synchronisation:
+                                no signal handler of its main thread can run
 """
 
+import ctypes
 import functools
 import os
 import signal
@@ -41,6 +45,10 @@ def advantages(*a, **kw):
         if os.environ.get("GRPO_FAULT_UNFILE"):
             grpo_run.rank_file(grpo_run.LAUNCH["out_dir"], KILL_RANK).unlink()
         os.kill(os.getpid(), signal.SIGKILL)
+    elif current["step"] == KILL_RANK_STEP and os.environ.get("GRPO_FAULT_STALL"):
+        libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER
+        libc.pthread_mutex_lock(mutex)
+        libc.pthread_mutex_lock(mutex)  # a default mutex locked again by its owner: blocked for good, GIL released
     adv = real_advantages(*a, **kw)
     return adv * float("nan") if current["step"] == NAN_STEP else adv
 

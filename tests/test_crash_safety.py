@@ -250,6 +250,52 @@ def test_a_rank_killed_in_a_step_is_named_with_the_checkpoint_to_resume_from(tmp
     assert (out / ".rank0.pid").read_text() == grpo_run.ENDED  # the survivor ended on its own
 
 
+@pytest.mark.slow
+def test_a_dead_rank_is_named_while_the_survivor_is_blocked_where_no_signal_handler_runs(tmp_path, demo_dir):
+    """Rank 1 SIGKILLed in step 3 while rank 0 is blocked in a C call that never returns to Python, as a survivor
+    under NCCL waits in a CUDA synchronisation on a collective's kernel: neither a collective's error nor the
+    launcher's SIGTERM reaches its main thread, and the rank watcher (grpo_run.watch_ranks) names the death."""
+    out = tmp_path / "run"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", "29641",
+           "tests/fault_train.py", "--output-dir", str(out), *RUN, "--steps", "4"]
+    res = subprocess.run(cmd, cwd=ROOT, env=cpu_env(GRPO_FAULT_KILL_RANK="1:3", GRPO_FAULT_STALL="1"),
+                         capture_output=True, text=True, timeout=600)
+    said = res.stdout + res.stderr
+    assert res.returncode != 0 and "Traceback" not in said, said[-3000:]
+    lines = [x for x in said.splitlines() if x.startswith("train_grpo.py")]
+    assert len(lines) == 1 and re.fullmatch(
+        r"train_grpo.py: error: rank 1 \(pid \d+\) died during step 3 \(killed by a signal, e.g. the OOM killer\); "
+        f"the same command resumes the run from {re.escape(str(out))}/checkpoints/step_000002 \\(step 2\\)",
+        lines[0]), said[-3000:]
+    # the survivor marked its file as it ended; the dead rank's is left as it was
+    assert (out / ".rank0.pid").read_text() == grpo_run.ENDED != (out / ".rank1.pid").read_text()
+
+
+def test_the_collective_timeout_is_set_on_purpose_and_a_user_may_change_it(monkeypatch):
+    import datetime
+
+    monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)  # DeepSpeed's default is 10 minutes
+    assert grpo_run.collective_timeout() == datetime.timedelta(minutes=grpo_run.COLLECTIVE_TIMEOUT_MIN) > \
+        datetime.timedelta(minutes=10)
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "90")
+    assert grpo_run.collective_timeout() == datetime.timedelta(minutes=90)
+
+
+def test_a_finished_rank_is_never_taken_for_dead_and_the_last_to_end_removes_the_files(tmp_path, monkeypatch):
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    host = socket.gethostname()
+    monkeypatch.setattr(grpo_run, "LAUNCH", {"ranks": [(os.getpid(), host), (finished.pid, host)], "rank": 1,
+                                             "out_dir": tmp_path, "step": 3})
+    for r in range(2):
+        grpo_run.rank_file(tmp_path, r).write_text("pid\n")
+    grpo_run.forget_rank(done=True)  # rank 1 done first: its file marked, rank 0's still running
+    monkeypatch.setitem(grpo_run.LAUNCH, "rank", 0)
+    assert grpo_run.rank_file(tmp_path, 1).read_text() == grpo_run.ENDED and grpo_run.dead_ranks() == ([], [1])
+    grpo_run.forget_rank(done=True)  # the last: every file marked, so every file removed
+    assert not list(tmp_path.glob(".rank*"))
+
+
 def test_a_rank_gone_with_its_file_unmarked_died_and_one_that_marked_it_ended(tmp_path, monkeypatch):
     killed, unfiled = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
     ended = subprocess.Popen([sys.executable, "-c", "pass"])

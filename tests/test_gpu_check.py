@@ -85,7 +85,8 @@ def test_gpu_check_says_what_it_cannot_install_and_stops_only_when_nothing_can_r
             "missing") in lines[0]
     cannot = [x for x in lines if x.startswith("[gpu check] could not install ")]
     assert [x.split()[5].rstrip(":") for x in cannot] == ["torch==2.13.0", "transformers>=5.16.1,<5.20", "pytest",
-                                                        "deepspeed==0.19.8", "vllm==0.32.0", "math-verify>=0.8"]
+                                                        "deepspeed==0.19.8", "vllm==0.32.0", "math-verify>=0.8",
+                                                        "peft>=0.15"]
     # the empty wheel directory has none, and no index is asked
     assert all("Could not find a version that satisfies" in x and "(from versions: none)" in x for x in cannot)
     assert lines[-1] == f"[gpu check] error: nothing can run without torch and pytest in {bare / 'bin' / 'python'}"
@@ -445,7 +446,7 @@ def test_memory_model_counts_what_a_micro_batch_holds(shape):
             budget = token_budget(model, free, 4096)
             # at the default budget a micro-batch, with the gradients in flight at its backward's end, fits 90% of
             # the free memory, and one token more would not
-            beside = model["fixed"] + model["gradients in flight"]
+            beside = model["fixed"] + model["gradients in flight"] + model["gradients beyond the bucket"]
             assert budget > 4096 and beside + budget * model["per_token"] <= 0.9 * free
             assert beside + (budget + 1) * model["per_token"] > 0.9 * free
             # before the first optimizer step the free memory still has Adam's moments to make room for
@@ -458,6 +459,42 @@ def test_memory_model_counts_what_a_micro_batch_holds(shape):
     assert former * memory_model(cfg, True, 1024, "eager", 4096, 1e9)["per_token"] > 80 * gib
     # never below one longest sequence: a micro-batch holds at least one
     assert token_budget(memory_model(cfg, True, 1024, "flash", 4096, 1e9), 1 * gib, 4096) == 4096
+
+
+@pytest.mark.parametrize("shape", HAND)
+def test_memory_model_counts_the_gradients_larger_than_the_reduce_bucket(shape):
+    from types import SimpleNamespace
+
+    from grpo_run import memory_model, micro_batch_bytes
+    from scripts.bench_step import SHAPES
+
+    cfg = SimpleNamespace(**SHAPES[shape])
+    h, i, L, heads, kv_heads, d, vocab, tied = HAND[shape]
+    q, kv, bucket = heads * d, kv_heads * d, json.loads((ROOT / "ds_config.json").read_text())[
+        "zero_optimization"]["reduce_bucket_size"]
+    # ZeRO-3 reduces a gradient larger than the bucket outside it, up to 3 at once in the backward's order (lm_head,
+    # the layers from the last, down_proj first, the embedding): at most the heaviest 3 in a row, at 6 B an element
+    # (bf16 gradient, fp32 copy) and 4 more where the ranks do not divide it (the reduce-scatter's interleaved copy)
+    order = [vocab * h] * (not tied) + L * [i * h, h * i, h * i, q * h, h * kv, h * kv, h * q] + [vocab * h]
+    for world in (1, 8, 6):
+        above = [(6 + 4 * (n % world != 0)) * n for n in order if n > bucket]
+        m = memory_model(cfg, True, 1024, "flash", 4096, 1e9, world, bucket)
+        assert above and m["gradients beyond the bucket"] == max(sum(above[k:k + 3]) for k in range(len(above)))
+        assert m["gradients in flight"] == 8 * bucket
+        assert micro_batch_bytes(m, 100) - micro_batch_bytes(m, 100, backward=False) == \
+            8 * bucket + m["gradients beyond the bucket"]
+    beyond = memory_model(cfg, True, 1024, "flash", 4096, 1e9, 8, bucket)["gradients beyond the bucket"]
+    if shape == "qwen2.5-7b":  # untied: lm_head's fp32 gradient alone is 2.0 GiB; each MLP matrix is above 5e7
+        assert round(4 * vocab * h / 2**30, 1) == 2.0 and beyond == 6 * (vocab * h + 2 * h * i)  # 8 ranks divide all
+    else:  # tied: the embedding alone (1.5B's and 3B's MLP matrices, 13.8M and 22.5M elements, fit the bucket)
+        assert beyond == 6 * vocab * h
+    # the CPU's synchronised device: one at a time, and gloo's copy of the reduce-scatter's input
+    cpu = memory_model(cfg, True, 1024, "flash", 4096, 1e9, 1, bucket, synchronized=True)
+    assert cpu["gradients beyond the bucket"] == 10 * vocab * h
+    # a bucket that holds every matrix, or LoRA's adapters (rank 64): nothing beyond it
+    assert memory_model(cfg, True, 1024, "flash", 4096, 1e9, 8, vocab * h)["gradients beyond the bucket"] == 0
+    lora = memory_model(cfg, True, 1024, "flash", 4096, 1e9, 8, bucket, lora_rank=64)
+    assert lora["gradients beyond the bucket"] == 0 and lora["gradients in flight"] == 8 * min(lora["trained"], bucket)
 
 
 def test_gpu_wheels_takes_its_directory_relative_to_the_caller(tmp_path):

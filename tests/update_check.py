@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--response-len", type=int, default=768)
     p.add_argument("--deterministic", action="store_true", help="the trainer's --deterministic: a bit-exact redo")
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="the trainer's flag (default: the trainer's)")
+    p.add_argument("--lora-rank", type=int, default=0, help="the trainer's --lora-rank: adapters, the base frozen")
+    p.add_argument("--lr", default="1e-5", help="the trainer's --lr")
     p.add_argument("--local_rank", type=int, default=-1)
     a = p.parse_args()
     if a.deterministic:
@@ -134,8 +136,9 @@ def main() -> None:
     args = T.parse_args(["--model", str(model_dir), "--output-dir", str(out / "run"), "--group-size", "4",
                          "--prompts-per-step", str(a.prompts_per_rank * world), "--minibatches", "2",
                          "--logprob-chunk", "64", "--kl-coef", "0.01",
-                         "--gradient-checkpointing", "--lr", "1e-5", "--lr-warmup-steps", "0",
-                         "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len)]
+                         "--gradient-checkpointing", "--lr", a.lr, "--lr-warmup-steps", "0",
+                         "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len),
+                         "--lora-rank", str(a.lora_rank)]
                         + ["--deterministic"] * a.deterministic
                         + (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens is not None
                            else []))
@@ -192,11 +195,14 @@ def main() -> None:
     # the attention each packed_attention call ran, beside the one attention_kind reports (the memory model's)
     result["attention"], result["attention_kind"] = dict(grpo_run.ATTENTION_CALLS), grpo_run.attention_kind(args, cuda)
     result["micro_batches"] = first["micro_batches"] / args.minibatches
-    if memory is not None:  # the memory model's bound: the states held and to come (Adam's moments), its fixed bytes
-        # and the gradients in flight, a largest micro-batch
+    if memory is not None:  # the memory model's bound: the states held and to come (Adam's moments), and beside
+        # them the larger of a largest micro-batch (its fixed bytes, tokens and gradients in flight) and the optimizer
+        # step's transients (the fp32 gradients it flattens, the bf16 copy of the update); the reloads above release
+        # the moments before they load (load_training_state), so they hold no more than the states
         per_minibatch = args.prompts_per_step // world * args.group_size // args.minibatches
         largest = min(batching.micro_batch_tokens, per_minibatch * (a.prompt_len + a.response_len))
-        result["predicted_peak_gib"] = (held + to_come + micro_batch_bytes(memory, largest)) / 2**30
+        transient = max(micro_batch_bytes(memory, largest), memory["step"])
+        result["predicted_peak_gib"] = (held + to_come + transient) / 2**30
     (out / f"update_check_rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         print(f"[update check] {a.shape} ({result['params'] / 1e9:.2f}B parameters), {world} rank(s) on "
