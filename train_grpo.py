@@ -23,6 +23,7 @@ launch, metrics and loggers) is in grpo_run.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -773,7 +774,7 @@ def update(engine, ref_engine, rollouts: list[dict], adv: torch.Tensor, args, ba
     if ref_engine is not None and learns:
         fill_logprobs(ref_engine, rollouts, "ref_logp", args, batching, device)
     elif args.kl_coef > 0 and learns:  # LoRA: the reference is the frozen base, the policy with its adapters off
-        with engine.module.disable_adapter():
+        with adapters_scaled_to_zero(engine.module):
             fill_logprobs(engine, rollouts, "ref_logp", args, batching, device)
     timer["logprobs"] = time.time() - t0
     t0 = time.time()
@@ -970,6 +971,25 @@ def with_adapters(policy, rank: int, alpha: float, **lora):
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear", **lora)
     return get_peft_model(policy, config, autocast_adapter_dtype=False)
+
+
+@contextlib.contextmanager
+def adapters_scaled_to_zero(policy):
+    """The frozen base through the policy's own modules: W x + 0 (B A x) adds exact zeros, so the log-probs are the
+    base's, while lora_A and lora_B still run in their order. PEFT's disable_adapter skips them, and ZeRO-3, which
+    records the modules' order to prefetch their parameters, would find another order and drop its record every
+    step."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in policy.modules() if isinstance(m, LoraLayer)]
+    scales = [dict(m.scaling) for m in layers]
+    for m in layers:
+        m.scaling.update(dict.fromkeys(m.scaling, 0.0))
+    try:
+        yield
+    finally:
+        for m, scale in zip(layers, scales):
+            m.scaling.update(scale)
 
 
 def make_vllm(model_path: str, args, rank: int, local_rank: int, to_come: float = 0.0):

@@ -3,7 +3,7 @@
 #
 #     bash tests/gpu_check.sh [PYTHON]      # default: $GPU_CHECK_PYTHON, else python3 on PATH
 #
-# 1. Says which of torch, transformers, pytest, deepspeed, vllm and math-verify import in PYTHON, with their
+# 1. Says which of torch, transformers, pytest, deepspeed, vllm, math-verify and peft import in PYTHON, with their
 #    versions. A node with GPUs (nvidia-smi lists them, or /dev/nvidia0... exist) whose torch cannot use them
 #    fails here, in one line: every GPU test would skip.
 # 2. On a CUDA node, installs what is missing into PYTHON's environment at requirements.txt's pins, one
@@ -16,7 +16,8 @@
 #    machine with network. PYTHON and GPU_CHECK_WHEELS may be given relative to the folder it is run from.
 # 3. Runs tests/test_gpu.py: the update path at real shapes wherever DeepSpeed imports, the rollout and
 #    weight-sync checks where vLLM and math-verify do too (the update path prints which attention ran: on CUDA it
-#    must be the flash kernel attention_kind reports); each skip says what is missing, and the check names
+#    must be the flash kernel attention_kind reports), and LoRA's (--lora-rank: its update, its merged sync)
+#    where peft does; each skip says what is missing, and the check names
 #    every package whose absence skipped a test. Then, on CUDA with DeepSpeed,
 #    the update benchmark (bench_step.py --update-only at each of $GPU_CHECK_SHAPES, default
 #    "qwen2.5-1.5b qwen2.5-3b": docs/gpu.md's MFU table, at the trainer's CUDA defaults).
@@ -39,7 +40,7 @@ if ! command -v "$py" >/dev/null 2>&1; then
   say "error: no Python at '$py' (pass one: bash tests/gpu_check.sh /path/to/python)"
   exit 1
 fi
-PACKAGES=(torch transformers pytest deepspeed vllm math_verify)  # modules; requirements.txt names them with '-'
+PACKAGES=(torch transformers pytest deepspeed vllm math_verify peft)  # modules; requirements.txt names them with '-'
 
 # name=version (or name=-) for every package (its distribution's version where the module has none),
 # hold=DIST==VERSION for every installed distribution (what pip matches) whose version pip can pin (PEP 440; a
@@ -226,6 +227,9 @@ fi
 absent=$(for m in vllm math_verify; do [ "$(version "$m")" = "-" ] && printf '%s, ' "${m//_/-}"; done)
 if [ -n "$absent" ]; then
   say "skipped, not failed: the rollout and weight-sync checks (not installed in $py: ${absent%, })"
+fi
+if [ "$(version peft)" = "-" ]; then
+  say "skipped, not failed: the LoRA checks (not installed in $py: peft)"
 fi
 rm -f "$results"
 if [ "$(version cuda)" -gt 0 ] && [ "$(version deepspeed)" != "-" ]; then

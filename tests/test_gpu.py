@@ -55,6 +55,9 @@ ROLLOUT_MISSING = [m for m in ("vllm", "math_verify") if importlib.util.find_spe
 needs_vllm = pytest.mark.skipif(bool(ROLLOUT_MISSING), reason=f"{' and '.join(ROLLOUT_MISSING)} not installed "
                                 "(requirements.txt): the rollout and weight-sync checks need them")
 
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                reason="peft is not installed (requirements.txt): the LoRA checks need it")
+
 PHASES = ("rollout", "reward", "logprobs", "update", "sync")
 # the demo's settings as flags, so that a copy of the demo policy trains as `--model demo` does
 DEMO = [x for k, v in DEMO_DEFAULTS.items() if k not in ("steps", "eval_interval", "save_interval", "output_dir")
@@ -140,6 +143,22 @@ def test_update_path_at_real_shapes(tmp_path):
 
 @needs_cuda
 @needs_deepspeed
+@needs_peft
+def test_update_path_with_lora_at_real_shapes(tmp_path):
+    # --lora-rank 16 at LoRA's usual learning rate: the adapters alone trained, the KL reference the base through
+    # the same modules (train_grpo.adapters_scaled_to_zero), the resume exact, the peak within the memory model's
+    for c in update_check(tmp_path, "--lora-rank", "16", "--lr", "1e-3"):
+        steps = [c["first"], c["straight"], c["again"]]
+        assert all(torch.isfinite(torch.tensor(v)) for s in steps for v in s.values())
+        assert all(s["ref_kl"] > 0 for s in steps[1:])  # the adapters moved the policy off its base
+        assert c["checkpoint_problem"] is None and c["loaded_diff"] == 0
+        assert c["change"] > 0 and c["redo_rel"] <= c["tolerance"], c["redo_rel"]
+        assert all(v > c["tolerance"] for v in c["faults"].values()), c["faults"]
+        assert c["peak_gib"] <= c["predicted_peak_gib"], (c["peak_gib"], c["predicted_peak_gib"])
+
+
+@needs_cuda
+@needs_deepspeed
 def test_update_path_deterministic_resumes_bit_exact(tmp_path):
     for c in update_check(tmp_path, "--deterministic"):
         assert c["deterministic"] and c["loaded_diff"] == 0 and c["change"] > 0
@@ -150,14 +169,16 @@ def test_update_path_deterministic_resumes_bit_exact(tmp_path):
 
 @needs_cuda
 @needs_vllm
-@pytest.mark.parametrize("head", ["tied", "untied"])
+@pytest.mark.parametrize("head", ["tied", "untied", pytest.param("lora", marks=needs_peft)])
 def test_demo_policy_on_one_gpu(head, demo_dir, tmp_path):
+    # "lora": --lora-rank 8 with its KL reference; vLLM samples the merged policy each sync sends
     from test_weight_sync import untied_copy
 
-    model = "demo" if head == "tied" else str(untied_copy(demo_dir / "model", tmp_path / "untied"))
+    model = str(untied_copy(demo_dir / "model", tmp_path / "untied")) if head == "untied" else "demo"
+    lora = ["--lora-rank", "8", "--lr", "1e-3", "--kl-coef", "0.01"] if head == "lora" else []
     out = tmp_path / "demo"
     metrics = train(out, "--model", model, *DEMO, "--steps", "3", "--eval-interval", "3", "--eval-limit", "64",
-                    "--save-interval", "3", "--lr-warmup-steps", "1")
+                    "--save-interval", "3", "--lr-warmup-steps", "1", *lora)
     report(f"demo policy ({head} lm_head)", metrics)
     assert all(torch.isfinite(torch.tensor(v)) for m in metrics for v in m.values())
     ckpt = out / "checkpoints" / "step_000003"

@@ -84,7 +84,7 @@ def test_the_memory_model_counts_the_adapters_states_only():
 
 def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off(demo_dir, monkeypatch):
     # --kl-coef with --lora-rank loads no second model: update takes the reference log-probs from the policy with
-    # its adapters switched off, which are the base model's; after them the adapters are on again
+    # its adapters scaled to zero, which are the base model's; after them the adapters are on again
     from transformers import AutoModelForCausalLM
 
     from scripts.bench_step import synthetic_rollouts
