@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -240,7 +241,10 @@ def _thread_cpu_alarm() -> Callable[[float], None]:
     """arm(seconds): SIGXCPU, which ends this process, once this thread has used `seconds` more CPU (0 disarms).
     The thread's own CPU clock (a POSIX timer on CLOCK_THREAD_CPUTIME_ID), not the process's: the sandbox
     watchdog's thread is not the check's work; and unlike RLIMIT_CPU it is not inherited by the sandboxes this
-    process starts."""
+    process starts. A POSIX timer reserves one of the signals its uid may have queued (RLIMIT_SIGPENDING), which
+    a process of the same uid can spend (a sandbox that holds timers, where the scorer runs without root): then
+    the process's profiling timer bounds the process's CPU instead (SIGPROF ends it as SIGXCPU would), which
+    reserves none; the watchdog's few milliseconds count with the check's."""
     libc = ctypes.CDLL(None, use_errno=True)
     if not hasattr(libc, "timer_create"):  # in librt before glibc 2.34
         libc = ctypes.CDLL("librt.so.1", use_errno=True)
@@ -248,7 +252,9 @@ def _thread_cpu_alarm() -> Callable[[float], None]:
     event[2] = signal.SIGXCPU
     timer = ctypes.c_void_p()
     if libc.timer_create(3, event, ctypes.byref(timer)) != 0:  # CLOCK_THREAD_CPUTIME_ID
-        raise OSError(ctypes.get_errno(), "timer_create")
+        if ctypes.get_errno() != errno.EAGAIN:
+            raise OSError(ctypes.get_errno(), "timer_create")
+        return lambda seconds: signal.setitimer(signal.ITIMER_PROF, seconds)
 
     def arm(seconds: float) -> None:
         spec = _ItimerSpec(0, 0, int(seconds), int(seconds % 1 * 1e9))

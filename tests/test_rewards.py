@@ -1,7 +1,10 @@
 """rewards.py on real benchmark data, on hostile code and on adversarial strings."""
 
 import json
+import multiprocessing
 import os
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -102,6 +105,36 @@ def test_integer_answers_are_scored_without_workers():
     # what the shortcut cannot decide still goes to math-verify in a worker
     assert compute_rewards(["\\boxed{\\frac12}", "Answer: 3"], ["0.5", "3"], ["math"] * 2) == [1.0, 1.0]
     assert len(rewards._workers) == 2
+
+
+def _burn_past_the_fallback_alarm() -> None:  # a forked child whose uid has no queued signal left
+    resource.setrlimit(resource.RLIMIT_SIGPENDING, (0, resource.getrlimit(resource.RLIMIT_SIGPENDING)[1]))
+    rewards._thread_cpu_alarm()(0.2)
+    while True:
+        pass
+
+
+def test_a_worker_that_cannot_arm_its_cpu_timer_still_scores_and_is_still_bounded():
+    # A POSIX timer reserves one of the signals its uid may queue (RLIMIT_SIGPENDING): a sandbox of the scorer's uid
+    # that holds them all (without root) made every new worker die at start, each correct response a silent 0.
+    # With none left (the limit 0 here, inherited by the workers), the workers bound their CPU another way and score
+    rewards.shutdown()
+    soft, hard = resource.getrlimit(resource.RLIMIT_SIGPENDING)
+    resource.setrlimit(resource.RLIMIT_SIGPENDING, (0, hard))
+    stats = {}
+    try:
+        scores = compute_rewards(["\\boxed{\\frac12}", "\\boxed{\\frac13}", fenced("a, b = map(int, input().split())\n"
+                                  "print(a + b)")], ["0.5", "0.5", ADD_TESTS], ["math", "math", "code"],
+                                 num_workers=2, stats=stats)
+    finally:
+        resource.setrlimit(resource.RLIMIT_SIGPENDING, (soft, hard))
+        rewards.shutdown()
+    assert scores == [1.0, 0.0, 1.0] and stats == {"timeouts": 0, "errors": 0}
+    # the fallback still ends a worker whose thread runs past its CPU bound (the process's profiling timer)
+    child = multiprocessing.get_context("fork").Process(target=_burn_past_the_fallback_alarm)
+    child.start()
+    child.join(30)
+    assert child.exitcode == -signal.SIGPROF
 
 
 # -- math: pathological and fuzzed input -----------------------------------------------------------
