@@ -155,6 +155,17 @@ class SandboxUnavailable(RuntimeError):
     """Code rewards cannot run with the isolation asked for (REWARDS_SANDBOX, default bwrap)."""
 
 
+# Without root no sandbox can be kept from the others: each runs as the scorer's uid and shares its limits (one
+# sandbox holding every POSIX timer the uid may have starves the scoring workers), reads the host's kernel counters
+# through /proc (a relay from a solver to copiers), and no cgroup bounds its memory (System V shared memory,
+# which no process maps, passes the watchdog's sum)
+UNPRIVILEGED = ("code rewards without root cannot keep one response's sandbox from another's (they would share "
+                "this user's limits and the host's kernel counters, and no cgroup would bound their memory: a "
+                "response could copy another's result or deny its score, docs/rewards.md): run the scorer as root "
+                "(in a container, with CAP_SYS_ADMIN and a writable cgroup), or set REWARDS_SANDBOX_UNPRIVILEGED=1 "
+                "to score with that risk")
+
+
 def sandbox_mode() -> str:
     """The isolation for untrusted code: bubblewrap, or a weaker mode chosen by REWARDS_SANDBOX.
 
@@ -174,6 +185,11 @@ def sandbox_mode() -> str:
             "code rewards run model-written code and need bubblewrap to isolate it: install it "
             "(apt-get install bubblewrap), or set REWARDS_SANDBOX=unshare or rlimits to accept weaker "
             "isolation (docs/rewards.md)")
+    if mode == "bwrap" and os.geteuid() != 0:
+        if os.environ.get("REWARDS_SANDBOX_UNPRIVILEGED") != "1":
+            raise SandboxUnavailable(UNPRIVILEGED)
+        log.warning("REWARDS_SANDBOX_UNPRIVILEGED=1: sandboxes share this user's limits and the host's kernel "
+                    "counters, and no cgroup bounds their memory together (docs/rewards.md)")
     if mode == "bwrap":
         _probe_bwrap()
     if mode == "unshare" and not (shutil.which("unshare") and _runs(_unshare_prefix() + [sys.executable, "-c", ""])):

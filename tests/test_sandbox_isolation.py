@@ -291,6 +291,40 @@ def test_the_start_up_probe_fails_closed_without_the_filter(monkeypatch):
         sandbox.sandbox_mode()
 
 
+UNPRIVILEGED_USER = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]  # nobody
+
+
+def unprivileged_python() -> str | None:
+    """A Python the unprivileged user can run on this checkout (this interpreter may sit in a directory only
+    root enters, such as /root)."""
+    env = {"PATH": os.environ["PATH"], "HOME": "/tmp"}
+    system = [p for d in ("/usr/local/bin", "/usr/bin") for p in sorted(glob.glob(f"{d}/python3.1[1-9]"))]
+    for python in dict.fromkeys([sys.executable, *system]):
+        if shutil.which("setpriv"):
+            res = subprocess.run([*UNPRIVILEGED_USER, python, "tests/score_as_user.py", "--ready"], cwd=ROOT,
+                                 env=env, capture_output=True, text=True, timeout=60)
+            if res.stdout.strip() == "ready":
+                return python
+    return None
+
+
+@as_root
+def test_without_root_code_rewards_refuse_in_one_line_unless_the_risk_is_accepted():
+    # as an ordinary user every sandbox shares the scorer's uid, limits and the host's kernel counters: refused,
+    # in the one line that says what to do, before any response is run; scored once the user accepts the risk
+    python = unprivileged_python()
+    if python is None:
+        pytest.skip("no Python that an unprivileged user can run on this checkout")
+    env = {"PATH": os.environ["PATH"], "HOME": "/tmp"}
+    cmd = [*UNPRIVILEGED_USER, python, "tests/score_as_user.py"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3 and res.stdout.splitlines() == [sandbox.UNPRIVILEGED], res.stdout + res.stderr
+    res = subprocess.run(cmd, cwd=ROOT, env={**env, "REWARDS_SANDBOX_UNPRIVILEGED": "1"}, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and json.loads(res.stdout) == [1.0, 0.0], res.stdout + res.stderr
+    assert "REWARDS_SANDBOX_UNPRIVILEGED=1: sandboxes share this user's limits" in res.stderr
+
+
 @as_root
 def test_the_start_up_probe_fails_closed_with_device_nodes_open_to_stamps(monkeypatch):
     monkeypatch.setattr(sandbox, "SEAL_DEVICES", False)
