@@ -224,12 +224,17 @@ def code_reward(response: str, tests: dict | str, partial: bool = False, timeout
 # Batch scoring in persistent worker processes with a hard per-item timeout
 
 
+# The reward kinds, each with the key of a dataset row that its responses are scored against. A new kind: an entry
+# here, its branch in score_one, a check of its rows in data/prepare.rows_from and its prompt in data/templates.py.
+REFERENCE_KEY = {"math": "answer", "code": "tests"}
+
+
 def score_one(response: str, reference, kind: str, partial: bool = False, timeout: float = CODE_TIMEOUT_S) -> float:
     if kind == "math":
         return math_reward(response, str(reference))
     if kind == "code":
         return score_code(response, reference, partial, timeout)
-    raise ValueError(f"unknown reward kind {kind!r} (expected 'math' or 'code')")
+    raise ValueError(f"unknown reward kind {kind!r} (expected one of {', '.join(REFERENCE_KEY)})")
 
 
 class _ItimerSpec(ctypes.Structure):  # struct itimerspec: the interval, then the first expiry (s, ns)
@@ -326,7 +331,7 @@ def shutdown() -> None:
 
 def reference(row: dict):
     """What a dataset row's responses are scored against: its answer (math) or its tests (code)."""
-    return row["answer"] if row["kind"] == "math" else row["tests"]
+    return row[REFERENCE_KEY[row["kind"]]]
 
 
 def compute_rewards(
@@ -344,8 +349,8 @@ def compute_rewards(
     if not (len(responses) == len(references) == len(kinds)):
         raise ValueError("compute_rewards: responses, references and kinds differ in length")
     for k in set(kinds):
-        if k not in ("math", "code"):
-            raise ValueError(f"unknown reward kind {k!r} (expected 'math' or 'code')")
+        if k not in REFERENCE_KEY:
+            raise ValueError(f"unknown reward kind {k!r} (expected one of {', '.join(REFERENCE_KEY)})")
     if "code" in kinds:
         sandbox_mode()  # fail closed here, in the caller, not as a silent 0 in every worker
     scores = [0.0] * len(responses)

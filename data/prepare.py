@@ -32,6 +32,7 @@ import zlib
 from pathlib import Path
 
 from grpo_run import first_line, is_hub_id, writable_problem
+from rewards import REFERENCE_KEY
 
 PREPARED_DIR = Path(__file__).resolve().parent / "prepared"
 # Benchmark copies that ship with the project (sources and licences in its README): found by name offline.
@@ -302,7 +303,7 @@ def _read_hub(repo: str, config: str | None, split: str):
 
 
 def _is_prepared(row: dict) -> bool:
-    return row.get("kind") in ("math", "code") and "prompt" in row and ("answer" in row or "tests" in row)
+    return row.get("kind") in REFERENCE_KEY and "prompt" in row and any(k in row for k in REFERENCE_KEY.values())
 
 
 def rows_from(raw, source: str, train: bool = False) -> list[dict]:
@@ -424,8 +425,8 @@ def main() -> None:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         read = f"{len(raw)} read, " if raw is not None else ""
-        kinds = {k: sum(r["kind"] == k for r in rows) for k in ("math", "code")}
-        print(f"{name}: {read}{len(rows)} rows ({kinds['math']} math, {kinds['code']} code) -> {dest}")
+        kinds = ", ".join(f"{sum(r['kind'] == k for r in rows)} {k}" for k in REFERENCE_KEY)
+        print(f"{name}: {read}{len(rows)} rows ({kinds}) -> {dest}")
 
 
 if __name__ == "__main__":
