@@ -21,8 +21,8 @@ from scripts.memory_ledger import predicted_peak
 # the log-prob chunk at 16 B a logit (its forward and recomputed backward; measured 8: the CPU's fp32 logits and one
 # gradient live at once), the activations and the gradients in flight summed though the backward frees the one as
 # it makes the other (at s3 the micro-batches' peak holds the gradients alone), and the per-token terms of the
-# CUDA kernels. Measured (docs/measurements.md, memory-ledger-cpu): the micro-batches' peak 1.18-1.46 x below the
-# prediction, the optimizer step's 1.00-1.06 x.
+# CUDA kernels. Measured (docs/measurements.md, memory-ledger-cpu and memory-ledger-reload-bucket): the
+# micro-batches' peak 1.18-1.53 x below the prediction, the optimizer step's 1.00-1.09 x.
 MARGIN = 1.6
 TOLERANCE = 0.005  # the states: counted, so equal to the prediction up to rounding a partition
 SCALARS = 2**20  # beside a peak: the small tensors no group models (step counters, losses, RNG states; 69 B seen)
