@@ -990,18 +990,18 @@ def death_line(dead: list[int]) -> str:
     return f"error: {who} died {when} (killed by a signal, e.g. the OOM killer)"
 
 
-def watch_ranks(out_dir: Path, stop: threading.Event, period_s: float = 1.0) -> threading.Thread:
+def watch_ranks(out_dir: Callable[[], Path], stop: threading.Event, period_s: float = 1.0) -> threading.Thread:
     """A thread that names a rank of this host that died without a word (dead_ranks) within `period_s` and ends
     this survivor, whatever its main thread waits in: under NCCL a survivor blocks in a CUDA synchronisation on a
-    collective's kernel that never returns to Python, where no signal handler runs. `stop` ends the watch (set
-    and joined before this rank marks its file done). Ranks on other nodes cannot be seen from here: the
-    collective timeout (collective_timeout) ends those launches."""
+    collective's kernel that never returns to Python, where no signal handler runs; `out_dir()` is where the run
+    resumes from. `stop` ends the watch (set and joined before this rank marks its file done). Ranks on other
+    nodes cannot be seen from here: the collective timeout (collective_timeout) ends those launches."""
     def watch() -> None:
         while not stop.wait(period_s):
             dead = dead_ranks()[0] if LAUNCH["ranks"] else []
             if dead and not stop.is_set() and ENDING.acquire(blocking=False):
                 forget_rank()
-                end_launch(death_line(dead), 1, dead, out_dir)
+                end_launch(death_line(dead), 1, dead, out_dir())
 
     thread = threading.Thread(target=watch, name="rank-watcher", daemon=True)
     thread.start()
@@ -1029,7 +1029,7 @@ def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
             threading.excepthook = full_disk_said_once
             LAUNCH.update(ranks=[], rank=None, out_dir=None, step=None)  # none of an earlier main() in this process
             stop = threading.Event()
-            watcher = watch_ranks(Path(output_dir(argv)), stop)
+            watcher = watch_ranks(lambda: Path(output_dir(argv)), stop)
             done = False
             try:
                 result = train(argv)
