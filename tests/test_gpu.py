@@ -153,6 +153,7 @@ def test_update_path_with_lora_at_real_shapes(tmp_path):
         assert all(s["ref_kl"] > 0 for s in steps[1:])  # the adapters moved the policy off its base
         assert c["checkpoint_problem"] is None and c["loaded_diff"] == 0
         assert c["change"] > 0 and c["redo_rel"] <= c["tolerance"], c["redo_rel"]
+        assert set(c["faults"]) == {"moments", "step"}  # an empty dict would pass the line below unchecked
         assert all(v > c["tolerance"] for v in c["faults"].values()), c["faults"]
         assert c["peak_gib"] <= c["predicted_peak_gib"], (c["peak_gib"], c["predicted_peak_gib"])
 
