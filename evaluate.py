@@ -33,8 +33,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: one engine, not one per rank as in training
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grpo_run  # noqa: E402  (the trainer's plumbing: argument checks, checkpoint names)
 import train_grpo  # noqa: E402  (its environment preamble: engines in-process; and the sampling path)
+from grpo_utils import checkpoints, common, distributed, engines, flags, run_dir  # noqa: E402
 from rewards import SCORING_VERSION  # noqa: E402
 
 PAPER_BENCHMARKS = "aime24,aime25,amc23,math500,minerva,olympiadbench"
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})"
                     + ("; omit it to evaluate every problem" if k == "limit" else ""))
     try:
-        grpo_run.check_finite(args)
+        flags.check_finite(args)
     except ValueError as e:
         p.error(str(e))
     if args.temperature < 0 or not 0 < args.top_p <= 1 or not 0 < args.gpu_memory <= 1:
@@ -88,8 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.temperature == 0 and args.n > 1:
         p.error(f"--temperature 0 is greedy: its --n {args.n} samples would all be one; give --n 1, or a temperature "
                 "> 0 to sample")
-    if not 0 <= args.seed <= grpo_run.SEED_MAX:
-        p.error(f"--seed must be in [0, {grpo_run.SEED_MAX}] (vLLM's range; got {args.seed})")
+    if not 0 <= args.seed <= flags.SEED_MAX:
+        p.error(f"--seed must be in [0, {flags.SEED_MAX}] (vLLM's range; got {args.seed})")
     if args.data_parallel_size is None:
         import torch
 
@@ -138,7 +138,7 @@ def check_checkpoint(path: str) -> None:
         has_weights = any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
         if not (p / "config.json").exists() or not has_weights:
             raise ValueError(f"{path}: no model weights (config.json and *.safetensors) in this directory")
-        if problem := grpo_run.model_dir_problem(path):  # else vLLM: "The decoder prompt cannot be empty"
+        if problem := flags.model_dir_problem(path):  # else vLLM: "The decoder prompt cannot be empty"
             raise ValueError(f"{path}: {problem}")
         for f in sorted(p.glob("*.safetensors")):  # the header covers the whole file: opening a cut one fails
             try:
@@ -146,7 +146,7 @@ def check_checkpoint(path: str) -> None:
                     pass
             except Exception as e:  # safetensors' own error type
                 raise ValueError(f"{f}: damaged weights ({e})") from None
-    elif not grpo_run.is_hub_id(path):
+    elif not common.is_hub_id(path):
         raise ValueError(f"{path}: no such checkpoint directory")
 
 
@@ -224,7 +224,7 @@ def load_benchmarks(args) -> dict[str, list[dict]]:
 
 def check_writable(d: Path, what: str) -> None:
     """d (made if missing) takes files: a read-only run is named before the engine starts, not after it."""
-    if problem := grpo_run.writable_problem(d):
+    if problem := common.writable_problem(d):
         raise ValueError(f"{d} is not writable ({problem}): {what}")
 
 
@@ -384,13 +384,13 @@ def format_table(results: dict, n: int) -> str:
 
 
 def run_args(run: str) -> dict:
-    """The run's args.json ({} without one); a damaged one is named in one line (grpo_run.read_args_json)."""
-    return grpo_run.read_args_json(run) or {}
+    """The run's args.json ({} without one); a damaged one is named in one line (run_dir.read_args_json)."""
+    return run_dir.read_args_json(run) or {}
 
 
 def run_checkpoints(run: str) -> list[tuple[int, str]]:
     """(step, checkpoint) of a run: step 0 is the initial policy (the run's --model), then step_N."""
-    ckpts = grpo_run.checkpoint_dirs(Path(run, "checkpoints"))  # the trainer's own names: step_ and digits
+    ckpts = checkpoints.checkpoint_dirs(Path(run, "checkpoints"))  # the trainer's own names: step_ and digits
     if not Path(run).is_dir():
         raise ValueError(f"{run}: no such run directory")
     if not ckpts:
@@ -409,8 +409,10 @@ def run_label(run: str) -> str:
 def group_runs(runs: list[str]) -> dict[str, list[str]]:
     """Runs of one setting (the same arguments but the seed) under one label: the arguments that
     differ between the settings ('token', 'lab-nogap balanced'), or each run alone by its name."""
-    # what may differ between one run's launches, plus the seed and where it is written
-    same_setting = grpo_run.not_identity() | {"seed", "output_dir"}
+    # what may differ between one run's launches, plus the seed and where it is written (the trainer's parser
+    # declares what each flag is to a run)
+    train_grpo.arguments()
+    same_setting = flags.not_identity() | {"seed", "output_dir"}
 
     def setting(run: str) -> str:
         a = run_args(run)
@@ -483,9 +485,9 @@ def runs_table(per_run: dict[str, dict[int, dict]], groups: dict[str, list[str]]
 
 
 def training_curves(run: str, keys: list[str]) -> dict[str, dict[int, float]]:
-    """Per-step training metrics of a run (grpo_run.run_metrics), at x = step - 1: the number of
+    """Per-step training metrics of a run (run_dir.run_metrics), at x = step - 1: the number of
     updates made before the step's rollout, so the initial policy's rollouts are at 0."""
-    logged = grpo_run.run_metrics(Path(run))
+    logged = run_dir.run_metrics(Path(run))
     return {k: {step - 1: m[k] for step, m in sorted(logged.items()) if k in m and step > 0} for k in keys}
 
 
@@ -575,7 +577,7 @@ def make_llm(model: str, args):
         kw.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory)
     else:
         context = args.max_model_len or getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 4096)
-        kw.update(grpo_run.vllm_cpu_kwargs(context))
+        kw.update(engines.vllm_cpu_kwargs(context))
     return LLM(model=model, **kw)
 
 
@@ -655,7 +657,7 @@ def main(argv: list[str] | None = None) -> None:
         for ckpt in dict.fromkeys(ckpts[0][1] for ckpts in jobs.values()):  # a run's checkpoints share one context
             check_prompt_room(ckpt, AutoTokenizer.from_pretrained(ckpt), benchmarks, args)
     except (ValueError, RuntimeError, OSError) as e:
-        sys.exit(f"evaluate.py: error: {grpo_run.first_line(e)}")
+        sys.exit(f"evaluate.py: error: {common.first_line(e)}")
 
     per_run, results, pending = {}, {}, []  # results and pending by checkpoint
     for ckpts in jobs.values():
@@ -685,7 +687,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
             # each CPU engine on its own cores, as ranks are
-            grpo_run.pin_cpu_rank(args.shard, args.data_parallel_size)
+            distributed.pin_cpu_rank(args.shard, args.data_parallel_size)
         sample_all(pending, benchmarks, args)  # this process's engine
         if args.shard is not None:
             return

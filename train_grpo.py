@@ -15,9 +15,9 @@ One step, top to bottom: the numbered sections of this file, and main()'s loop.
   6. update       ZeRO-3 backward and step per mini-batch, over packed micro-batches cut by a
                   token budget (each a row of whole sequences, attention confined to each);
   7. sync         gather ZeRO-3 partitions one parameter at a time into vLLM, in place.
-Then the engines and the collectives, then main(). The run's plumbing (argument checks, the run
+Then the engines, then main(). The run's plumbing (argument checks, the run
 directory, checkpoints, early ends, packed micro-batches and the attention kernels, memory sizing, the
-launch, metrics and loggers) is in grpo_run.py.
+launch, metrics and loggers) is in grpo_utils/, one room a concern.
 """
 
 from __future__ import annotations
@@ -58,55 +58,44 @@ import torch.utils.checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from grpo_run import (  # noqa: E402  (the run's plumbing: arguments, run directory, checkpoints, metrics)
-    LAUNCH,
-    SAME_BEFORE,
-    apply_recorded_sizes,
+from data.loading import load_data  # noqa: E402  (the model, tokenizer and prompts)
+
+# the run's plumbing, one room a concern (grpo_utils/__init__.py)
+from grpo_utils.batching import (  # noqa: E402
     attention_implementation,
     attention_kind,
     balance_ranks,
-    check_args,
-    check_jit_cache,
-    check_output_dir,
-    checked_sizes,
-    damaged_shard,
-    declare,
-    deepspeed_config,
-    device_fit,
-    device_record,
-    exit_without_teardown,
-    finished,
-    first_line,
-    flags_with,
-    gpu_memory,
-    init_distributed,
-    installed_versions,
-    jit_extensions_dir,
-    linear_warmup,
-    load_data,
-    load_training_state,
-    make_deterministic,
-    memory_to_update,
     micro_batches,
     micro_batching,
-    model_flops_fn,
     model_inputs,
-    note_ranks,
-    one_line_early_ends,
-    open_loggers,
-    pin_mismatch,
-    resumable_values,
+)
+from grpo_utils.checkpoints import (  # noqa: E402
+    damaged_shard,
+    finished,
+    load_training_state,
     rng_state,
     save_step,
     seed_rngs,
     set_rng_state,
-    states_to_come,
-    step_metrics,
+)
+from grpo_utils.common import first_line  # noqa: E402
+from grpo_utils.distributed import (  # noqa: E402
+    LAUNCH,
+    all_gather_objects,
+    all_reduce,
+    exit_without_teardown,
+    init_distributed,
+    make_deterministic,
+    note_ranks,
+    one_line_early_ends,
     stop_after_bad_steps,
     stop_on_nonfinite_weights,
-    trainer_memory,
-    vllm_cpu_kwargs,
 )
+from grpo_utils.engines import check_jit_cache, deepspeed_config, jit_extensions_dir, linear_warmup, vllm_cpu_kwargs  # noqa: E402
+from grpo_utils.flags import SAME_BEFORE, check_args, declare, flags_with, installed_versions, pin_mismatch  # noqa: E402
+from grpo_utils.memory import device_fit, memory_to_update, states_to_come, trainer_memory  # noqa: E402
+from grpo_utils.metrics import gpu_memory, model_flops_fn, open_loggers, resumable_values, step_metrics  # noqa: E402
+from grpo_utils.run_dir import apply_recorded_sizes, check_output_dir, checked_sizes, device_record  # noqa: E402
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_extensions_dir())  # a user's own choice is kept
 
@@ -151,7 +140,7 @@ POLICY_LOSS_DEFAULTS = {
 
 
 def arguments() -> argparse.ArgumentParser:
-    """The trainer's flags, each with what it is to a run (run=, grpo_run.FLAG_ROLES): "resume" may change on
+    """The trainer's flags, each with what it is to a run (run=, flags.FLAG_ROLES): "resume" may change on
     --resume, "launch" may differ between one run's launches, "device" defaults by the device, "size" is a
     micro-batch size. A flag declared with nothing is the run's identity: no launch may change it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -702,7 +691,7 @@ def fill_logprobs(engine, rollouts: list[dict], key: str, args, batching, device
     update's micro-batch; under ZeRO-3 every forward gathers every parameter, so fewer passes
     gather less (docs/step_benchmark.md). Batches are bucketed by length and cut by the token budget (the
     update's: the hidden states of every layer are returned, as many bytes as the update's checkpoints).
-    `batching`: the micro-batches' sizes and rows (grpo_run.micro_batching).
+    `batching`: the micro-batches' sizes and rows (micro_batching).
     """
     cut = rank_micro_batches(rollouts, batching.logprob_batch_size, batching.micro_batch_tokens, not batching.padded)
     for idx in cut:
@@ -870,39 +859,7 @@ def _repack_cpu_lm_head(model: torch.nn.Module) -> None:
 
 
 # -----------------------------------------------------------------------------
-# Engines and distributed set-up. Collectives: NCCL serves CUDA tensors only ("No backend type
-# associated with device type cpu"), gloo CPU tensors: every collective of the project goes through
-# all_reduce and all_gather_objects, which put the data on the device the backend serves
-# (tests/test_collectives.py enforces it).
-
-
-def collective_device() -> torch.device:
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
-
-
-def all_reduce(values, op: str = "sum") -> torch.Tensor:
-    """A vector of numbers summed ("sum") or maximised ("max") over ranks; float64, on the CPU."""
-    import torch.distributed as dist
-
-    t = torch.as_tensor(values, dtype=torch.float64)
-    if not dist.is_initialized():  # one process without a process group: a world of one
-        return t.clone()
-    t = t.to(collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return t.cpu()
-
-
-def all_gather_objects(obj) -> list:
-    """Every rank's picklable `obj`, in rank order (NCCL: pickled through the current CUDA device)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():  # one process without a process group: a world of one
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+# Engines and distributed set-up.
 
 
 def checked_launch(argv: list[str] | None) -> tuple[argparse.Namespace, int, dict, list[Path]]:
@@ -1055,7 +1012,7 @@ def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank:
 
 def recorded_sizes(ckpt: Path, args, world: int) -> dict:
     """The micro-batch sizes and device `ckpt` recorded (its trainer_state.json's "sizes", {} before the record),
-    checked as this launch's flags are: by this parser and check_args (grpo_run.checked_sizes); a ValueError names
+    checked as this launch's flags are: by this parser and check_args (run_dir.checked_sizes); a ValueError names
     the file and the key."""
     path = ckpt / "trainer_state.json"
     return checked_sizes(json.loads(path.read_text()).get("sizes", {}), path,
@@ -1066,7 +1023,7 @@ def recorded_sizes(ckpt: Path, args, world: int) -> dict:
 
 def resumed_batching(args, tokenizer, resumed: Path | None, world: int, here: dict, rank: int
                      ) -> tuple[argparse.Namespace, int | None]:
-    """How the update cuts its micro-batches (grpo_run.micro_batching: what the run learns of them lives there,
+    """How the update cuts its micro-batches (micro_batching: what the run learns of them lives there,
     not in args), with the sizes the checkpoint resumed from recorded where they apply, and the cap on a token
     budget measured anew (apply_recorded_sizes). The record is checked at the launch, and here again where the
     resume fell back to an older checkpoint: a damaged one is one line."""
@@ -1138,8 +1095,8 @@ def evaluate_held_out(llm, rows: list[dict], args, rank: int, world: int, step: 
 def main(argv: list[str] | None = None) -> None:
     args, world, ds_config, checkpoints = checked_launch(argv)
     out_dir = Path(args.output_dir)
-    rank, local_rank = init_distributed(out_dir, checkpoints, world, all_gather_objects)
-    note_ranks(out_dir, rank, all_gather_objects)  # a rank that dies without a word is named by the others
+    rank, local_rank = init_distributed(out_dir, checkpoints, world)
+    note_ranks(out_dir, rank)  # a rank that dies without a word is named by the others
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -1181,7 +1138,7 @@ def main(argv: list[str] | None = None) -> None:
         rollouts, order, sampling = rollout_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
                                                  lambda text: bar.set_postfix_str(text, refresh=True))
         rstats["generated"] = sum(r["length"] for r in rollouts)  # this rank's, before some move to another
-        rollouts, balance = balance_ranks(rollouts, args.group_size, args.minibatches, rank, world, all_gather_objects)
+        rollouts, balance = balance_ranks(rollouts, args.group_size, args.minibatches, rank, world)
         if cuda and (budget := memory_to_update(llm, engine, args, batching, rank, cap)) is not None:
             batching.micro_batch_tokens = budget  # --micro-batch-tokens, measured: recorded with the checkpoints
 
@@ -1194,9 +1151,9 @@ def main(argv: list[str] | None = None) -> None:
         lr = engine.get_lr()[0]  # of this step's first update
         sums = update(engine, ref_engine, rollouts, adv, args, batching, device, world, timer)
         memory = gpu_memory() if cuda else None
-        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory, all_reduce),
+        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory),
                    "lr": lr, **resumable_values(engine, args), **sampling, **balance}
-        stop_on_nonfinite_weights(engine, step, metrics, log, close_loggers, out_dir, world, rank, all_reduce)
+        stop_on_nonfinite_weights(engine, step, metrics, log, close_loggers, out_dir, world, rank)
 
         # 7. weight sync
         t0 = time.time()

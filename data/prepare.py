@@ -31,7 +31,7 @@ import re
 import zlib
 from pathlib import Path
 
-from grpo_run import first_line, is_hub_id, writable_problem
+from grpo_utils.common import first_line, is_hub_id, writable_problem
 from rewards import REFERENCE_KEY
 
 PREPARED_DIR = Path(__file__).resolve().parent / "prepared"

@@ -71,7 +71,8 @@ def rule_args(model: str, agg: str, extra: list[str] | None = None) -> argparse.
 def finished(run: Path) -> bool:
     """The run's last checkpoint is its final step; a damaged args.json is named in one line (ValueError), not
     taken for a run to train again."""
-    from grpo_run import checkpoint_dirs, read_args_json
+    from grpo_utils.checkpoints import checkpoint_dirs
+    from grpo_utils.run_dir import read_args_json
 
     steps = (read_args_json(run) or {}).get("steps")
     return [c.name for c in checkpoint_dirs(run / "checkpoints")][-1:] == [f"step_{steps:06d}"] \
@@ -147,7 +148,8 @@ def main() -> None:
     # every run's and the evaluation's arguments checked before the first run starts (argparse
     # errors exit here with their own one-line message)
     import evaluate
-    from grpo_run import check_args, free_port
+    from grpo_utils.distributed import free_port
+    from grpo_utils.flags import check_args
 
     settings = [(agg, loss) for loss in args.losses for agg in args.aggs]
     try:

@@ -1,5 +1,5 @@
 """Per-rank tokens of a GRPO mini-batch, dealt as sampled (each rank its own contiguous groups) and by
-grpo_run.balanced_deal: the max / mean that sets every step's pace (the slowest rank waits for none).
+batching.balanced_deal: the max / mean that sets every step's pace (the slowest rank waits for none).
 
     python -m scripts.bench_rank_balance [--ranks 8] [--groups 32] [--group-size 16] [--trials 200]
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grpo_run import balanced_deal  # noqa: E402
+from grpo_utils.batching import balanced_deal  # noqa: E402
 
 CAP = 8192
 

@@ -50,9 +50,12 @@ from pathlib import Path
 
 import torch
 
-import grpo_run
 import train_grpo as T
-from grpo_run import check_finite, is_hub_id, micro_batch_bytes, model_dir_problem, token_budget
+from data import loading
+from grpo_utils import batching, distributed
+from grpo_utils.common import is_hub_id
+from grpo_utils.flags import check_finite, model_dir_problem
+from grpo_utils.memory import memory_model, micro_batch_bytes, token_budget
 
 ROOT = Path(__file__).resolve().parent.parent  # the project's root
 _KEEP: list = []
@@ -210,7 +213,7 @@ def check_out(out: str) -> None:
     """The JSON results' file can be written, before the work whose numbers go there: tried, not read off
     permission bits (os.access passed /proc as root, and the write at the end failed after the whole benchmark);
     an existing file is opened for appending, which leaves it as it is."""
-    from grpo_run import first_line, writable_problem
+    from grpo_utils.common import first_line, writable_problem
 
     if Path(out).is_dir() or not Path(out).resolve().parent.is_dir():
         raise ValueError(f"--out {out}: must be a file in an existing directory (the JSON results)")
@@ -411,7 +414,7 @@ def bare_update(engine, batch: list[dict], micro: int, pad_id: int, device) -> N
     order = sorted(range(len(batch)), key=lambda i: len(batch[i]["tokens"]))
     for start in range(0, len(order), micro):
         mb = [batch[i] for i in order[start : start + micro]]
-        ids, resp, inputs = grpo_run.pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], pad_id, device)
+        ids, resp, inputs = batching.pad_batch([r["tokens"] for r in mb], [r["prompt_len"] for r in mb], pad_id, device)
         labels = torch.where(resp, ids, -100)
         loss = engine(input_ids=ids, **inputs, labels=labels, use_cache=False).loss
         engine.backward(loss)
@@ -419,12 +422,12 @@ def bare_update(engine, batch: list[dict], micro: int, pad_id: int, device) -> N
 
 
 def padding_share(batch: list[dict], max_rows: int | None, max_tokens: int = 0, padded: bool = True) -> float:
-    """The share of pad tokens in the update's micro-batches (grpo_run.micro_batches; padded: rows x the longest each;
+    """The share of pad tokens in the update's micro-batches (batching.micro_batches; padded: rows x the longest each;
     packed rows carry none)."""
     if not padded:
         return 0.0
     lens = [len(r["tokens"]) for r in batch]
-    parts = grpo_run.micro_batches(lens, max_rows, max_tokens, packed=False)
+    parts = batching.micro_batches(lens, max_rows, max_tokens, packed=False)
     return 1 - sum(lens) / sum(len(b) * lens[b[-1]] for b in parts)
 
 
@@ -490,9 +493,10 @@ def update_benchmark(args) -> None:
     cuda, world, local_rank = torch.cuda.is_available(), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    grpo_run.start_deepspeed_comm(cuda)
+    distributed.start_deepspeed_comm(cuda)
     if not cuda:
-        grpo_run.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world))))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+        distributed.pin_cpu_rank(local_rank, local_world)
     rank, device = dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=max(4096, args.prompt_len + args.response_len),
                          rope_theta=1e6, rms_norm_eps=1e-6)
@@ -500,7 +504,7 @@ def update_benchmark(args) -> None:
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if cuda:  # refuse, in one line, a shape whose states cannot fit rather than run out of memory minutes in
         # LoRA: the bf16 weights of every parameter, the other states of the adapters' alone
-        trained = grpo_run.memory_model(config, True, 1, "flash", 1, lora_rank=args.lora_rank)["trained"]
+        trained = memory_model(config, True, 1, "flash", 1, lora_rank=args.lora_rank)["trained"]
         need = (n_params * 2 + (trained if args.lora_rank else n_params) * (STATE_BYTES - 2)) / world
         total = torch.cuda.get_device_properties(device).total_memory
         if need > 0.85 * total:
@@ -520,7 +524,7 @@ def update_benchmark(args) -> None:
     torch.manual_seed(0)
     args.padded, args.deterministic = False, False
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32,
-                                             attn_implementation=grpo_run.attention_implementation(args))
+                                             attn_implementation=batching.attention_implementation(args))
     if args.lora_rank:  # as the trainer's build_trainer: adapters, then checkpointing
         model = T.with_adapters(model, args.lora_rank, 32.0)
     if args.gradient_checkpointing:
@@ -554,7 +558,7 @@ def update_benchmark(args) -> None:
     modes = {}
     for mode in ("packed", "padded"):  # the same engine, responses and budget rule; only the rows differ
         args.padded = mode == "padded"
-        memory = T.trainer_memory(engine, args, max(lens), grpo_run.attention_kind(args, cuda))
+        memory = T.trainer_memory(engine, args, max(lens), batching.attention_kind(args, cuda))
         held = torch.cuda.memory_allocated() if cuda else 0  # the ZeRO-3 states held now
         to_come = T.states_to_come(engine, memory)  # Adam's moments, before the first step (the first mode's)
         if budget_given is None:  # CUDA: as the trainer sizes it at its first update
@@ -562,8 +566,8 @@ def update_benchmark(args) -> None:
         parts = T.rank_micro_batches(rollouts, args.micro_batch_size, args.micro_batch_tokens, not args.padded)
         t_update = timed(lambda: T.update_minibatch(engine, rollouts, w, args, args, device))
         largest = max(sum(lens[i] for i in b) if not args.padded else len(b) * lens[b[-1]] for b in parts)
-        tot = T.all_reduce([sum(lens) / t_update, flops / t_update])
-        slowest = T.all_reduce([t_update, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        tot = distributed.all_reduce([sum(lens) / t_update, flops / t_update])
+        slowest = distributed.all_reduce([t_update, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                                 len(parts), (held + to_come + micro_batch_bytes(memory, largest)) / 2**30],
                                "max").tolist()
         modes[mode] = {"micro_batch_tokens": args.micro_batch_tokens, "micro_batches": int(slowest[2]),
@@ -585,7 +589,7 @@ def update_benchmark(args) -> None:
         with count_gathers() as gathered:
             fill()
         passes = len(T.rank_micro_batches(rollouts, batch, args.micro_batch_tokens, True))
-        forward[batch or "budget"] = {"seconds": T.all_reduce([seconds]).item() / world, "passes": passes,
+        forward[batch or "budget"] = {"seconds": distributed.all_reduce([seconds]).item() / world, "passes": passes,
                                       "gathered_x_params": gathered[0] / n_params}
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "world": world, "shape": args.shape,
            "params_b": n_params / 1e9, "responses_per_rank": n, "micro_batch_size": args.micro_batch_size,
@@ -650,9 +654,9 @@ def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    grpo_run.start_deepspeed_comm(cuda)
+    distributed.start_deepspeed_comm(cuda)
     if not cuda:  # as the trainer does
-        grpo_run.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+        distributed.pin_cpu_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     from data.demo import model_dir
@@ -661,7 +665,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model_path)
     args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     args.prompts_per_step = args.prompts_per_rank * world
-    rows_all, _ = grpo_run.load_prompts(args.dataset, tok, args)
+    rows_all, _ = loading.load_prompts(args.dataset, tok, args)
     rows = rows_all[rank * args.prompts_per_rank : (rank + 1) * args.prompts_per_rank]
     cfg = T.deepspeed_config(args, world)
     dschf = HfDeepSpeedConfig(cfg)  # noqa: F841

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from grpo_run import read_args_json, run_metrics, writable_problem
+from grpo_utils.common import writable_problem
+from grpo_utils.run_dir import read_args_json, run_metrics
 from scripts.ablation import rule_args
 from train_grpo import AGGS
 

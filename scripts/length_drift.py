@@ -47,9 +47,9 @@ from train_grpo import AGGS as RULES
 ROOT = Path(__file__).resolve().parent.parent  # the project's root
 
 def run_args(run: Path, required: tuple[str, ...] = ()) -> argparse.Namespace:
-    """The trainer's arguments a run recorded (grpo_run.recorded_args)."""
+    """The trainer's arguments a run recorded (run_dir.recorded_args)."""
     import train_grpo
-    from grpo_run import recorded_args
+    from grpo_utils.run_dir import recorded_args
 
     return recorded_args(run, train_grpo.parse_args([]), required)
 
@@ -137,7 +137,7 @@ def checkpoint_samples(ckpt: str, eval_args: argparse.Namespace) -> tuple[torch.
 
 def training_metric(runs: list[Path], key: str, step: int) -> list[float]:
     """The runs' logged `key` at the rollout of `step` (metrics.jsonl), one value per run."""
-    from grpo_run import run_metrics
+    from grpo_utils.run_dir import run_metrics
 
     return [m[key] for m in (run_metrics(run).get(step, {}) for run in runs) if key in m]
 
@@ -203,7 +203,7 @@ def summary(ablations: list[Path], eval_args: argparse.Namespace, figure: Path |
         return (*(100 * pl[k][1]["average"][f"acc@{eval_args.n}"] for k in ("peak", "last")), at)
 
     def steps(run: Path) -> dict[int, dict]:
-        from grpo_run import run_metrics
+        from grpo_utils.run_dir import run_metrics
 
         return {s: m for s, m in run_metrics(run).items() if "loss/pg" in m}
 
@@ -377,7 +377,7 @@ def main() -> None:
             evaluate.check_writable(Path(args.figure).parent, "the --figure goes there")
         report(args, ev)
     except (ValueError, OSError) as e:
-        from grpo_run import first_line
+        from grpo_utils.common import first_line
 
         sys.exit(f"length_drift.py: error: {first_line(e)}")
 
@@ -387,7 +387,7 @@ def ablation_runs(ablation: str) -> dict[str, list[Path]]:
     if not Path(ablation).is_dir():
         raise ValueError(f"{ablation}: no such directory (give an ablation.py --out directory)")
     by_agg = defaultdict(list)
-    from grpo_run import read_args_json
+    from grpo_utils.run_dir import read_args_json
 
     for run in sorted(p for p in Path(ablation).iterdir() if read_args_json(p) is not None):
         agg = run_args(run, required=("agg",)).agg
@@ -404,7 +404,7 @@ TABLE_STEPS = 40  # the tables read steps 1-5 and 36-40: the lab's --steps
 
 def check_steps(runs: list[Path]) -> None:
     """Every run has logged the training steps the tables read; else one line naming the first that has not."""
-    from grpo_run import run_metrics
+    from grpo_utils.run_dir import run_metrics
 
     for run in runs:
         logged = {step for step, m in run_metrics(run).items() if "length/mean" in m}

@@ -21,7 +21,7 @@ one (GROUPS), then re-filed by identity once the engine's states exist (paramete
 weights, gradient partitions, Adam's moments). The mode is entered before the engine is built, so nothing the
 update holds predates it.
 
-Prints, per phase, the peak of live bytes and its groups beside grpo_run.memory_model's prediction of each;
+Prints, per phase, the peak of live bytes and its groups beside memory.memory_model's prediction of each;
 --out writes them as JSON (tests/test_memory_ledger.py holds the model to them).
 """
 
@@ -42,9 +42,9 @@ from torch.utils._pytree import tree_flatten
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import grpo_run  # noqa: E402
 import train_grpo as T  # noqa: E402
-from grpo_run import memory_model, micro_batch_bytes, resident_bytes  # noqa: E402
+from grpo_utils import batching, checkpoints, distributed  # noqa: E402
+from grpo_utils.memory import memory_model, micro_batch_bytes, resident_bytes  # noqa: E402
 from scripts.bench_step import check_lora_rank, check_out, synthetic_rollouts  # noqa: E402
 
 # Small shapes in Qwen2.5's proportions: intermediate ~5.8 hidden, vocabulary ~100 hidden (the embedding a large
@@ -223,7 +223,7 @@ def run_step(ledger: Ledger, engine, args, rollouts: list[dict], adv: torch.Tens
     parts = T.rank_micro_batches(rollouts[: len(rollouts) // args.minibatches], args.micro_batch_size,
                                  args.micro_batch_tokens, True)
     try:
-        T.update(engine, None, rollouts, adv, args, grpo_run.micro_batching(args), torch.device("cpu"), 1, {})
+        T.update(engine, None, rollouts, adv, args, batching.micro_batching(args), torch.device("cpu"), 1, {})
     finally:
         T.fill_logprobs = fill
         del engine.step
@@ -249,7 +249,7 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
 
     from data.demo import model_dir
 
-    rank, _ = grpo_run.init_distributed(work, [], 1, T.all_gather_objects)
+    rank, _ = distributed.init_distributed(work, [], 1)
     longest = a.prompt_len + a.response_len
     if not resume:
         random_model(a.shape, work / "model", longest)
@@ -278,7 +278,7 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
             resident[f"after {name}"] = ledger.snapshot()
             if step == 1:
                 ledger.phase = "save"
-                grpo_run.save_checkpoint(engine, AutoTokenizer.from_pretrained(model_dir("demo")),
+                checkpoints.save_checkpoint(engine, AutoTokenizer.from_pretrained(model_dir("demo")),
                                          work / "run" / "checkpoints", 1, {"step": 1, "order": [], "bad_streak": 0},
                                          rank, keep_last=2, weights=T.policy_weights(engine))
         if not resume:  # a reload in the same process, Adam's moments already made (the GPU check's redo)

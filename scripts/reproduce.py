@@ -245,7 +245,7 @@ def main() -> None:
             for t in tables:
                 print(f"  {shown(t)}")
         return
-    from grpo_run import first_line, writable_problem
+    from grpo_utils.common import first_line, writable_problem
 
     try:  # before hours of runs and minutes of tables, not after them
         if problem := writable_problem(RESULTS.parent):

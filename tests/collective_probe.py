@@ -5,7 +5,7 @@
 Under NCCL a collective only takes CUDA tensors; on the CPU (gloo) any tensor goes through, so a
 reduction of a CPU tensor would pass every CPU test and fail on the first GPU node. The guard makes
 the CPU run as strict as the code allows: a collective called from the project's own code must come
-from train_grpo.all_reduce / all_gather_objects, which place the data on the backend's device.
+from distributed.all_reduce / all_gather_objects, which place the data on the backend's device.
 Collectives made inside DeepSpeed, vLLM or torch are theirs and pass. Each rank writes what its
 engine was built with to OUTPUT_DIR/probe_rankN.json, and digests of its random generators' states when
 the engines start to be built, once vLLM's engine is built (its worker reseeds them) and when the run resumes
@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object",
                "scatter", "scatter_object_list", "all_to_all", "all_to_all_single"]
-ALLOWED = {("train_grpo.py", "all_reduce"), ("train_grpo.py", "all_gather_objects")}
+ALLOWED = {("grpo_utils/distributed.py", "all_reduce"), ("grpo_utils/distributed.py", "all_gather_objects")}
 
 
 def project_caller(frame) -> tuple[str, str, int] | None:
@@ -46,7 +46,7 @@ def install_guard() -> None:
             caller = project_caller(sys._getframe(1))
             if caller is not None and caller[:2] not in ALLOWED:
                 raise RuntimeError(f"collective {fn.__name__} called at {caller[0]}:{caller[2]} ({caller[1]}) "
-                                   "with data that did not go through train_grpo.all_reduce / all_gather_objects")
+                                   "with data that did not go through distributed.all_reduce / all_gather_objects")
             return fn(*args, **kwargs)
         call.guarded = True
         return call
@@ -113,7 +113,7 @@ def record_engines() -> None:
 
     train_grpo.make_vllm = make_and_record
     train_grpo.build_engines, train_grpo.resume = build_and_record, record_and_resume
-    train_grpo.load_data = load_and_draw  # main's name for grpo_run's
+    train_grpo.load_data = load_and_draw  # main's name for loading.load_data
 
 
 if __name__ == "__main__":

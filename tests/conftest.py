@@ -206,18 +206,18 @@ def wandb_log(path: Path) -> dict:
 
 
 def check_args(args, world: int) -> None:
-    """grpo_run.check_args with the trainer's tables, as train_grpo.checked_launch calls it."""
-    import grpo_run
+    """flags.check_args with the trainer's tables, as train_grpo.checked_launch calls it."""
     import train_grpo
+    from grpo_utils import flags
 
-    grpo_run.check_args(args, world, train_grpo.POLICY_LOSS_DEFAULTS[args.policy_loss], train_grpo.OFFLINE_DEFAULTS)
+    flags.check_args(args, world, train_grpo.POLICY_LOSS_DEFAULTS[args.policy_loss], train_grpo.OFFLINE_DEFAULTS)
 
 
 def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
-    """grpo_run.check_output_dir's checkpoints, with the trainer's defaults for this --model, as checked_launch
+    """run_dir.check_output_dir's checkpoints, with the trainer's defaults for this --model, as checked_launch
     calls it."""
-    import grpo_run
     import train_grpo
+    from grpo_utils import run_dir
 
     defaults = vars(train_grpo.parse_args(["--model", args.model]))
-    return grpo_run.check_output_dir(args, out_dir, world, defaults)[0]
+    return run_dir.check_output_dir(args, out_dir, world, defaults)[0]

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import grpo_run  # noqa: E402
 import train_grpo as T  # noqa: E402
+from grpo_utils import checkpoints, distributed  # noqa: E402
 
 NAN_STEP = int(os.environ.get("GRPO_FAULT_NAN_STEP", "-1"))
 KILL_STEP = int(os.environ.get("GRPO_FAULT_KILL_IN_SAVE", "-1"))
@@ -43,7 +43,7 @@ def rollout(llm, rows, args, step, first_index):
 def advantages(*a, **kw):
     if current["step"] == KILL_RANK_STEP and int(os.environ.get("RANK", "0")) == KILL_RANK:
         if os.environ.get("GRPO_FAULT_UNFILE"):
-            grpo_run.rank_file(grpo_run.LAUNCH["out_dir"], KILL_RANK).unlink()
+            distributed.rank_file(distributed.LAUNCH["out_dir"], KILL_RANK).unlink()
         os.kill(os.getpid(), signal.SIGKILL)
     elif current["step"] == KILL_RANK_STEP and os.environ.get("GRPO_FAULT_STALL"):
         libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER
@@ -90,11 +90,11 @@ def sync_weights_to_vllm(engine, llm):
     llm.apply_model(functools.partial(_scale_final_norm, scale=SCALE))
 
 
-real_rollout, real_advantages, real_save, real_sync = T.rollout, T.advantages, grpo_run.save_checkpoint, \
+real_rollout, real_advantages, real_save, real_sync = T.rollout, T.advantages, checkpoints.save_checkpoint, \
     T.sync_weights_to_vllm
 real_update = T.update_minibatch
 T.rollout, T.advantages, T.update_minibatch = rollout, advantages, update_minibatch
-grpo_run.save_checkpoint = save_checkpoint  # what the trainer's save_step calls
+checkpoints.save_checkpoint = save_checkpoint  # what the trainer's save_step calls
 if SCALE != 1:
     T.sync_weights_to_vllm = sync_weights_to_vllm
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import grpo_run  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo_utils import batching, distributed  # noqa: E402
 
 
 def fixed_batch(vocab: int, groups: int = 4, group_size: int = 4, seed: int = 0, zero_var: tuple = ()):
@@ -89,7 +89,7 @@ def case_name(agg: str, loss: str, rounds: int) -> str:
 def main() -> None:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
     model_dir, out, micro = argv[0], Path(argv[1]), int(argv[2])
-    grpo_run.start_deepspeed_comm(cuda=False)
+    distributed.start_deepspeed_comm(cuda=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     from transformers import AutoModelForCausalLM
 
@@ -107,7 +107,7 @@ def main() -> None:
     if rule := os.environ.get("GRAD_PROBE_RULE"):  # one rule's cases alone (tests/test_fork_a_rule.py's foo)
         runs = [r for r in runs if r[0][0] == rule and r[0][2] == 0 and r[0][1] in ("ppo", "lora")]
     for (agg, loss_name, rounds), offload, tokens, padded, dealt in runs:
-        attention = grpo_run.attention_implementation(argparse.Namespace(padded=padded, deterministic=False))
+        attention = batching.attention_implementation(argparse.Namespace(padded=padded, deterministic=False))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
         lora, key = loss_name == "lora", case_name(agg, loss_name, rounds)
         if lora:
@@ -125,7 +125,7 @@ def main() -> None:
         moved = 0
         if dealt == "dealt":
             mine = {id(r) for r in local}
-            local, _ = grpo_run.balance_ranks(local, G, 1, rank, world, train_grpo.all_gather_objects)
+            local, _ = batching.balance_ranks(local, G, 1, rank, world)
             moved = sum(id(r) not in mine for r in local)
             adv = train_grpo.group_advantages(torch.tensor([r["score"] for r in local], dtype=torch.float64), G)
         for r, a in zip(local, adv.tolist()):
@@ -148,7 +148,7 @@ def main() -> None:
         engine._backward_prologue = lambda: prologues.append(1) or real_prologue()
         eps = {"gspo": (0.05, 0.05), "cispo": (1.0, 0.5)}.get(loss_name, (0.2, 0.28))
         args = argparse.Namespace(
-            # the micro-batches' sizes and rows (grpo_run.micro_batching's) in the arguments here
+            # the micro-batches' sizes and rows (batching.micro_batching's) in the arguments here
             micro_batch_size=None if tokens else micro, logprob_batch_size=None if tokens else 4 * micro,
             micro_batch_tokens=tokens, pad_id=0, temperature=1.0, logprob_chunk=7, padded=padded, deterministic=False,
             policy_loss=loss_name,
@@ -174,14 +174,14 @@ def main() -> None:
                 delta[name] = (p.data - before[name]).clone()
         key += "-offload" if offload else "-tokens" if tokens else "-padded" if padded else f"-{dealt}" if dealt else ""
         parts = train_grpo.rank_micro_batches(local, args.micro_batch_size, tokens, not padded)
-        own = grpo_run.micro_batches([len(r["tokens"]) for r in local], None, tokens, packed=not padded)
+        own = batching.micro_batches([len(r["tokens"]) for r in local], None, tokens, packed=not padded)
         results[key] = {"delta": delta, "loss": loss.item(), "prologues": len(prologues),
                         "logp": torch.cat([r["logp"] for r in probe]), "padded": padded,
                         "micro_steps": len(parts) if tokens else math.ceil(len(local) / micro),
                         "responses": len(local) * world, "clipped": sums["clipped"],
-                        "moved": int(train_grpo.all_reduce([moved]).item()),
-                        "tokens": train_grpo.all_gather_objects(sum(len(r["tokens"]) for r in local)),
-                        "evened": bool(train_grpo.all_reduce([tokens and len(own) != len(parts)], "max").item())}
+                        "moved": int(distributed.all_reduce([moved]).item()),
+                        "tokens": distributed.all_gather_objects(sum(len(r["tokens"]) for r in local)),
+                        "evened": bool(distributed.all_reduce([tokens and len(own) != len(parts)], "max").item())}
     if rank == 0:
         torch.save(results, out)
     dist.barrier()

@@ -16,8 +16,11 @@ import pytest
 import torch
 from conftest import BENCHMARKS, ENVIRON, ROOT, check_args, check_output_dir, cpu_env
 
-import grpo_run
+import grpo_utils.flags
 import train_grpo
+from grpo_utils import engines, run_dir
+from grpo_utils.checkpoints import checkpoint_dirs, resume_point
+from grpo_utils.flags import before_flag, declare, declared, flags_with, not_identity, run_identity
 
 
 def run(script: str, *args: str, env=None, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -161,7 +164,7 @@ def test_a_flag_that_needs_another_is_taken_with_it():
                  ["--overlong-buffer=12", "--overlong-pen=1.0"]):  # an abbreviation is a flag given too
         args = train_grpo.parse_args(argv)
         check_args(args, world=1)
-    assert "overlong_penalty" in args.flags_given and "flags_given" in grpo_run.not_identity()
+    assert "overlong_penalty" in args.flags_given and "flags_given" in not_identity()
     with pytest.raises(ValueError, match="--overlong-penalty has no effect without --overlong-buffer"):
         check_args(train_grpo.parse_args(["--overlong-penalty=1.0"]), world=1)  # the default, typed
 
@@ -395,7 +398,7 @@ def checkpointed_run(root, steps: int = 3, world: int = 1):
     (root / "args.json").parent.mkdir(parents=True, exist_ok=True)
     (root / "args.json").write_text(json.dumps(vars(args)))
     (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, steps + 1)))
-    identity = grpo_run.run_identity(vars(args))
+    identity = run_identity(vars(args))
     for s in range(1, steps + 1):
         ck = root / "checkpoints" / f"step_{s:06d}" / "state"
         ck.mkdir(parents=True)
@@ -417,10 +420,10 @@ def test_a_flag_a_fork_adds_without_declaring_it_is_part_of_the_runs_identity(tm
     def forked(run: str = "") -> None:
         def arguments():
             p = build()
-            grpo_run.declare(p.add_argument("--fork-knob", type=float, default=0.5), run.split())  # a(...)'s call
+            declare(p.add_argument("--fork-knob", type=float, default=0.5), run.split())  # a(...)'s call
             return p
 
-        monkeypatch.setattr(grpo_run, "_DECLARED", {})
+        monkeypatch.setattr(grpo_utils.flags, "_DECLARED", {})
         monkeypatch.setattr(train_grpo, "arguments", arguments)
 
     forked()
@@ -439,12 +442,12 @@ def test_every_flag_says_what_it_is_to_a_run():
     # size is never the run's identity (the gradient is the same for any: tests/test_invariance.py)
     parser = train_grpo.arguments()
     dests = {action.dest for action in parser._actions} - {"help"}
-    assert dests == set(grpo_run.declared())
-    assert grpo_run.flags_with("device") <= grpo_run.flags_with("resume")
-    assert grpo_run.flags_with("size") <= grpo_run.flags_with("resume") | grpo_run.flags_with("launch")
-    assert grpo_run.before_flag() == {"code_reward": "fraction"}
+    assert dests == set(declared())
+    assert flags_with("device") <= flags_with("resume")
+    assert flags_with("size") <= flags_with("resume") | flags_with("launch")
+    assert before_flag() == {"code_reward": "fraction"}
     with pytest.raises(ValueError, match="--x: run=.'resum'. is not one of resume, launch, device, size"):
-        grpo_run.declare(argparse.ArgumentParser().add_argument("--x"), ["resum"])
+        declare(argparse.ArgumentParser().add_argument("--x"), ["resum"])
 
 
 def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
@@ -508,8 +511,8 @@ def test_a_held_output_dir_refuses_a_second_launch_and_the_lock_dies_with_its_ho
     out = tmp_path / "run"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib, grpo_run; grpo_run.lock_output_dir(pathlib.Path(sys.argv[1]));"
-         " print('locked', flush=True); sys.stdin.read()", str(out)],
+        [sys.executable, "-c", "import sys, pathlib; from grpo_utils import run_dir; "
+         "run_dir.lock_output_dir(pathlib.Path(sys.argv[1])); print('locked', flush=True); sys.stdin.read()", str(out)],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=cpu_env())
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -577,7 +580,7 @@ def test_a_run_older_than_code_reward_goes_on_with_the_fraction_it_was_trained_w
     def check(run, *flags):
         args = train_grpo.parse_args(["--output-dir", str(run), *flags])
         defaults = vars(train_grpo.parse_args(["--model", args.model]))
-        checkpoints, as_trained = grpo_run.check_output_dir(args, run, 1, defaults)
+        checkpoints, as_trained = run_dir.check_output_dir(args, run, 1, defaults)
         return argparse.Namespace(**{**vars(args), **as_trained}), checkpoints  # as checked_launch goes on
 
     run = tmp_path / "run"
@@ -600,7 +603,7 @@ def test_a_run_older_than_code_reward_goes_on_with_the_fraction_it_was_trained_w
 
     # an identity record without the key: the same
     state = run / "checkpoints" / "step_000002" / "trainer_state.json"
-    identity = grpo_run.run_identity(vars(train_grpo.parse_args(["--output-dir", str(run), "--steps", "2"])))
+    identity = run_identity(vars(train_grpo.parse_args(["--output-dir", str(run), "--steps", "2"])))
     del identity["code_reward"]
     state.write_text(json.dumps({**json.loads(state.read_text()), "run": identity}))
     assert check(run)[0].code_reward == "fraction"
@@ -653,9 +656,9 @@ def test_only_the_trainers_own_names_are_checkpoints(tmp_path, demo_dir):
     shutil.copytree(ckpts / "step_000002", ckpts / "step_000002.bak")  # a backup: once pruned by --keep-last
     (ckpts / "step_000004.tmp").mkdir()  # a save in progress
     assert check_output_dir(args, run, 1) == [ckpts / f"step_{s:06d}" for s in (3, 2, 1)]
-    assert [c.name for c in grpo_run.checkpoint_dirs(ckpts)] == ["step_000001", "step_000002", "step_000003"]
+    assert [c.name for c in checkpoint_dirs(ckpts)] == ["step_000001", "step_000002", "step_000003"]
     assert [s for s, _ in evaluate.run_checkpoints(str(run))] == [0, 1, 2, 3]
-    assert "step_000003 (step 3)" in grpo_run.resume_point(run, 1)
+    assert "step_000003 (step 3)" in resume_point(run, 1)
 
 
 def test_damaged_records_are_named_before_any_engine(tmp_path, capsys):
@@ -669,7 +672,7 @@ def test_damaged_records_are_named_before_any_engine(tmp_path, capsys):
 
     log = run / "metrics.jsonl"
     log.write_text(log.read_text() + '{"step": 4, "reward/me')  # cut by a kill while it was written: dropped
-    assert [s for s, _ in grpo_run.logged_lines(log)] == [1, 2, 3]
+    assert [s for s, _ in run_dir.logged_lines(log)] == [1, 2, 3]
     log.write_text('{"step": 1}\n{"step": "one"}\n{"step": 3}\n')
     with pytest.raises(ValueError, match=re.escape(f"{log} line 2: no integer 'step'; expected one JSON object")):
         check_output_dir(args, run, 1)
@@ -690,7 +693,7 @@ def test_a_run_killed_mid_write_is_read_alike_by_every_tool(tmp_path):
     rows = [{"step": 1, "reward/accuracy": 10.0, "loss/pg": 0.5, **lengths}, {"step": 1, "eval/acc": 3.0},
             {"step": 2, "reward/accuracy": 20.0, "loss/pg": -0.5, **lengths}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "reward/acc')
-    assert grpo_run.run_metrics(run) == {1: {**rows[0], **rows[1]}, 2: rows[2]}
+    assert run_dir.run_metrics(run) == {1: {**rows[0], **rows[1]}, 2: rows[2]}
     assert evaluate.training_curves(str(run), ["loss/pg", "eval/acc"]) == {"loss/pg": {0: 0.5, 1: -0.5},
                                                                           "eval/acc": {0: 3.0}}
     assert compare_rules.training_curve(run) == {1: {**rows[0], **rows[1]}, 2: rows[2]}
@@ -742,13 +745,13 @@ def test_jit_cache_is_per_install(monkeypatch):
     import importlib.util
     from types import SimpleNamespace
 
-    here = grpo_run.jit_extensions_dir()
+    here = engines.jit_extensions_dir()
     # set at import, unless the user set it (conftest.ENVIRON: the environment before the trainer's import)
     assert os.environ["TORCH_EXTENSIONS_DIR"] == ENVIRON.get("TORCH_EXTENSIONS_DIR", here)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
         origin="/elsewhere/.venv/deepspeed/__init__.py") if name == "deepspeed" else real(name))
-    other = grpo_run.jit_extensions_dir()
+    other = engines.jit_extensions_dir()
     assert other != here and os.path.dirname(other) == os.path.dirname(here)
 
 
@@ -756,15 +759,15 @@ def test_a_stale_jit_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeyp
     import threading
 
     cfg = train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)
-    assert grpo_run.jit_ops(cfg) == []  # the CPU's collectives build no op (start_deepspeed_comm), nor torch's AdamW
+    assert engines.jit_ops(cfg) == []  # the CPU's collectives build no op (start_deepspeed_comm), nor torch's AdamW
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    assert grpo_run.jit_ops(cfg) == ["cpu_adam"]
+    assert engines.jit_ops(cfg) == ["cpu_adam"]
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     lock = tmp_path / "ext" / "cpu_adam" / "lock"
     lock.parent.mkdir(parents=True)
     lock.write_text("")  # left by a launch killed while it built: torch would wait for it forever
-    assert grpo_run.on_local_filesystem(lock)
-    grpo_run.check_jit_cache(cfg, 0)
+    assert engines.on_local_filesystem(lock)
+    engines.check_jit_cache(cfg, 0)
     out = capsys.readouterr().out
     assert not lock.exists() and f"[grpo] removed {lock}: a JIT build lock whose builder is gone" in out
     assert "[grpo] building DeepSpeed's cpu_adam op into" in out  # what the next minutes are
@@ -775,21 +778,21 @@ def test_a_stale_jit_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeyp
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert builder.stdout.readline().strip() == "open"
-        assert grpo_run.lock_holders(lock) == [builder.pid]
-        grpo_run.check_jit_cache(cfg, 0)  # a build running on this machine: left to torch, which waits for it
+        assert engines.lock_holders(lock) == [builder.pid]
+        engines.check_jit_cache(cfg, 0)  # a build running on this machine: left to torch, which waits for it
         assert lock.exists()
     finally:
         builder.kill()
         builder.wait()
 
     # a cache shared with other machines: waited for, then named with the command that clears it
-    monkeypatch.setattr(grpo_run, "on_local_filesystem", lambda path: False)
+    monkeypatch.setattr(engines, "on_local_filesystem", lambda path: False)
     with pytest.raises(ValueError, match=re.escape(f"held by no process on this machine for 0 s, left by a launch "
                                                    f"killed while it built; if no other node builds into this "
                                                    f"cache, rm {lock}")):
-        grpo_run.clear_stale_build_lock(lock, speak=True, wait_s=0.3)
+        engines.clear_stale_build_lock(lock, speak=True, wait_s=0.3)
     threading.Timer(0.5, lock.unlink).start()  # another node's build ends
-    grpo_run.clear_stale_build_lock(lock, speak=True, wait_s=30)
+    engines.clear_stale_build_lock(lock, speak=True, wait_s=30)
     assert "another node building into a shared cache?" in capsys.readouterr().out
 
 
@@ -798,11 +801,11 @@ def test_an_unwritable_jit_cache_is_one_line(tmp_path, monkeypatch, files):
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}  # CPU Adam: an op to build
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(files / "a_file" / "ext"))
     with pytest.raises(ValueError, match=re.escape(f"the JIT extension cache {files}/a_file/ext is not writable")):
-        grpo_run.check_jit_cache(cfg, 0)
+        engines.check_jit_cache(cfg, 0)
     # on CUDA nothing is JIT-built by default (torch's fused AdamW); optimizer offload builds CPU Adam
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert grpo_run.jit_ops(train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)) == []
-    assert grpo_run.jit_ops(cfg) == ["cpu_adam"]
+    assert engines.jit_ops(train_grpo.deepspeed_config(train_grpo.parse_args([]), 1)) == []
+    assert engines.jit_ops(cfg) == ["cpu_adam"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1048,23 +1051,23 @@ H100 = {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "device_memory
 def test_a_resume_reuses_the_recorded_sizes_only_on_the_device_they_were_cut_for():
     sizes = {"micro_batch_size": None, "micro_batch_tokens": 60_000, "logprob_batch_size": None}
     record = {**H100, **sizes}
-    assert grpo_run.resumed_sizes(record, H100, ["lr"]) == (sizes, None)
+    assert run_dir.resumed_sizes(record, H100, ["lr"]) == (sizes, None)
     # another model, another memory, another share for vLLM: measured anew, at most the recorded budget
     for other in ({"device_name": "NVIDIA H200"}, {"device_memory": 150_121_095_168}, {"vllm_gpu_memory": 0.5}):
-        assert grpo_run.resumed_sizes(record, {**H100, **other}, []) == ({}, 60_000)
+        assert run_dir.resumed_sizes(record, {**H100, **other}, []) == ({}, 60_000)
     older = {"device": "cuda", **sizes}  # recorded before the model and memory were
-    assert grpo_run.resumed_sizes(older, H100, []) == ({}, 60_000)
+    assert run_dir.resumed_sizes(older, H100, []) == ({}, 60_000)
     # the CPU and CUDA: nothing reused either way, and no budget to cap with (0 on the CPU: none)
-    assert grpo_run.resumed_sizes(record, {"device": "cpu"}, []) == ({}, None)
-    assert grpo_run.resumed_sizes(SIZES, H100, []) == ({}, None)
-    sizes = {k: SIZES[k] for k in grpo_run.flags_with("size")}
-    assert grpo_run.resumed_sizes(SIZES, {"device": "cpu"}, []) == (sizes, None)
+    assert run_dir.resumed_sizes(record, {"device": "cpu"}, []) == ({}, None)
+    assert run_dir.resumed_sizes(SIZES, H100, []) == ({}, None)
+    sizes = {k: SIZES[k] for k in flags_with("size")}
+    assert run_dir.resumed_sizes(SIZES, {"device": "cpu"}, []) == (sizes, None)
     # a size flag given: none reused; on CUDA the recorded budget still caps a measured one
-    assert grpo_run.resumed_sizes(record, H100, ["micro_batch_size"]) == ({}, 60_000)
-    assert grpo_run.resumed_sizes(SIZES, {"device": "cpu"}, ["logprob_batch_size"]) == ({}, None)
-    assert grpo_run.resumed_sizes({}, H100, []) == ({}, None)  # a checkpoint older than the record
-    assert grpo_run.device_record(False, 0, 0.7) == {"device": "cpu"}
-    assert grpo_run.device_words(record) == "NVIDIA H100 80GB HBM3 (79.2 GiB, --vllm-gpu-memory 0.7)"
+    assert run_dir.resumed_sizes(record, H100, ["micro_batch_size"]) == ({}, 60_000)
+    assert run_dir.resumed_sizes(SIZES, {"device": "cpu"}, ["logprob_batch_size"]) == ({}, None)
+    assert run_dir.resumed_sizes({}, H100, []) == ({}, None)  # a checkpoint older than the record
+    assert run_dir.device_record(False, 0, 0.7) == {"device": "cpu"}
+    assert run_dir.device_words(record) == "NVIDIA H100 80GB HBM3 (79.2 GiB, --vllm-gpu-memory 0.7)"
 
 
 @pytest.mark.slow  # trainer processes: imports and a DeepSpeed start, 5-10 s each
@@ -1133,8 +1136,8 @@ def test_a_cut_args_json_is_named_by_every_reader(tmp_path, monkeypatch):
     path = broken_args_json(run)
     shutil.copytree(model_dir("lab"), run / "checkpoints" / "step_000001", ignore=shutil.ignore_patterns("eval"))
     named = f"{path} cannot be read as JSON ("
-    for read in (grpo_run.read_args_json, ablation.finished, evaluate.run_args,
-                 lambda r: grpo_run.recorded_args(r, train_grpo.parse_args([])),
+    for read in (run_dir.read_args_json, ablation.finished, evaluate.run_args,
+                 lambda r: run_dir.recorded_args(r, train_grpo.parse_args([])),
                  lambda r: compare_rules.run_table(r.parent)):
         with pytest.raises(ValueError) as e:  # evaluate.py once said only "Unterminated string starting at: ..."
             read(run)
@@ -1150,9 +1153,9 @@ def test_a_cut_args_json_is_named_by_every_reader(tmp_path, monkeypatch):
     assert str(e.value.code).startswith(f"ablation.py: error: {named}")
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match="is not the trainer's args.json .a JSON object of its arguments, not a list"):
-        grpo_run.read_args_json(run)
+        run_dir.read_args_json(run)
     path.unlink()
-    assert grpo_run.read_args_json(run) is None and evaluate.run_args(str(run)) == {} and not ablation.finished(run)
+    assert run_dir.read_args_json(run) is None and evaluate.run_args(str(run)) == {} and not ablation.finished(run)
 
 
 def test_compare_rules_on_runs_shorter_than_it_reads(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """Every collective on the device its backend serves: the project's collectives all go through
-train_grpo.all_reduce / all_gather_objects, checked in the source (every file) and at run time
+distributed.all_reduce / all_gather_objects, checked in the source (every file) and at run time
 (tests/collective_probe.py's guard, on a real 1-rank gloo group here and on the 2-rank and 2-node
 runs of tests/test_multinode.py)."""
 
@@ -46,18 +46,18 @@ def project_files() -> list[Path]:
 
 
 def test_every_collective_of_the_project_goes_through_one_place():
-    calls = [c for p in project_files() for c in collective_calls(p.read_text(), p.name)]
+    calls = [c for p in project_files() for c in collective_calls(p.read_text(), str(p.relative_to(ROOT)))]
     assert {c[:2] for c in calls} == ALLOWED, [c for c in calls if c[:2] not in ALLOWED]
 
 
 def test_the_source_check_catches_a_cpu_tensor_reduction_put_back():
     # the trainer's max-length reduction as it was before: a CPU tensor handed to all_reduce (the metrics are
-    # in grpo_run.py, which is handed train_grpo.all_reduce)
-    source = (ROOT / "grpo_run.py").read_text()
+    # in grpo_utils/metrics.py, which calls distributed.all_reduce)
+    source = (ROOT / "grpo_utils" / "metrics.py").read_text()
     new = '"length/max": all_reduce([max(r["length"] for r in rollouts)], "max").item(),'
     old = '"length/max": (dist.all_reduce(m := torch.tensor([max(r["length"] for r in rollouts)])) or m).item(),'
     assert new in source
-    calls = collective_calls(source.replace(new, old), "grpo_run.py")
+    calls = collective_calls(source.replace(new, old), "grpo_utils/metrics.py")
     assert [c[1] for c in calls if c[:2] not in ALLOWED] == ["step_metrics"]
 
 
@@ -76,11 +76,11 @@ def one_rank_group():
 
 
 def test_run_time_guard_rejects_a_direct_collective_and_passes_the_helpers(one_rank_group):
-    import train_grpo
+    from grpo_utils import distributed
 
     install_guard()
-    assert train_grpo.collective_device() == torch.device("cpu")  # gloo serves the CPU
-    assert train_grpo.all_reduce([1.0, 2.0], op="max").tolist() == [1.0, 2.0]
-    assert train_grpo.all_gather_objects({"a": 1}) == [{"a": 1}]
+    assert distributed.collective_device() == torch.device("cpu")  # gloo serves the CPU
+    assert distributed.all_reduce([1.0, 2.0], op="max").tolist() == [1.0, 2.0]
+    assert distributed.all_gather_objects({"a": 1}) == [{"a": 1}]
     with pytest.raises(RuntimeError, match=r"collective all_reduce called at tests/test_collectives.py"):
         dist.all_reduce(torch.zeros(1))  # as the project's code: a CPU tensor straight to the backend

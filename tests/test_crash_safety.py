@@ -17,8 +17,10 @@ import torch
 from conftest import ROOT, check_output_dir, cpu_env, deepspeed_run, wandb_log
 from safetensors.torch import load_file
 
-import grpo_run
 import train_grpo
+from data import loading
+from grpo_utils import checkpoints, distributed
+from grpo_utils.flags import flags_with
 
 RUN = ["--steps", "5", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4", "--minibatches", "2",
        "--micro-batch-size", "4", "--eval-limit", "4", "--eval-interval", "100", "--lr", "1e-3",
@@ -82,7 +84,7 @@ def test_sigkill_during_a_step_then_during_a_save_resumes_exactly(reference, tmp
     assert not (ckpts / "step_000005").exists()  # killed before the end: a real resume follows
     # the checkpoint a resume takes: step 2's, or step 4's where the kill came after its save (possibly after
     # its rename and before `latest` names it)
-    newest = int(grpo_run.resumable_checkpoints(ckpts, 2)[0].name[5:])
+    newest = int(checkpoints.resumable_checkpoints(ckpts, 2)[0].name[5:])
     assert newest in (2, 4)
     saved = f"step_{newest:06d}"
 
@@ -179,7 +181,7 @@ OTHER_LOSS = {"sapo_tau_pos", "sapo_tau_neg"}
 
 @pytest.mark.slow
 def test_every_flag_a_resume_may_change_takes_effect(reference_run, demo_dir, tmp_path):
-    assert set(RESUMED) | OTHER_LOSS == grpo_run.flags_with("resume")  # a new resume flag is added here
+    assert set(RESUMED) | OTHER_LOSS == flags_with("resume")  # a new resume flag is added here
     assert OTHER_LOSS <= {k for p in train_grpo.POLICY_LOSS_DEFAULTS.values() for k in p}
     out = tmp_path / "run"
     shutil.copytree(reference_run[0], out)
@@ -237,7 +239,7 @@ def test_a_rank_killed_in_a_step_is_named_with_the_checkpoint_to_resume_from(fau
     UNFILE: its .rank1.pid removed by hand before (a file left by the killed rank: test_a_rank_gone_with_its_file_...).
     STALL: rank 0 blocked meanwhile in a C call that never returns to Python, as a survivor under NCCL waits in a
     CUDA synchronisation on a collective's kernel: neither a collective's error nor the launcher's SIGTERM reaches
-    its main thread, and the rank watcher (grpo_run.watch_ranks) names the death."""
+    its main thread, and the rank watcher (distributed.watch_ranks) names the death."""
     out = tmp_path / "run"
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
            "tests/fault_train.py", "--output-dir", str(out), *RUN, "--steps", "4"]
@@ -250,34 +252,34 @@ def test_a_rank_killed_in_a_step_is_named_with_the_checkpoint_to_resume_from(fau
         r"train_grpo.py: error: rank 1 \(pid \d+\) died during step 3 \(killed by a signal, e.g. the OOM killer\); "
         f"the same command resumes the run from {re.escape(str(out))}/checkpoints/step_000002 \\(step 2\\)",
         lines[0]), said[-3000:]
-    assert (out / ".rank0.pid").read_text() == grpo_run.ENDED  # the survivor ended on its own
+    assert (out / ".rank0.pid").read_text() == distributed.ENDED  # the survivor ended on its own
     # the dead rank's file as the fault left it: removed by hand, or unmarked
     assert not (out / ".rank1.pid").exists() if fault == "UNFILE" else \
-        (out / ".rank1.pid").read_text() != grpo_run.ENDED
+        (out / ".rank1.pid").read_text() != distributed.ENDED
 
 
 def test_the_collective_timeout_is_set_on_purpose_and_a_user_may_change_it(monkeypatch):
     import datetime
 
     monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)  # DeepSpeed's default is 10 minutes
-    assert grpo_run.collective_timeout() == datetime.timedelta(minutes=grpo_run.COLLECTIVE_TIMEOUT_MIN) > \
+    assert distributed.collective_timeout() == datetime.timedelta(minutes=distributed.COLLECTIVE_TIMEOUT_MIN) > \
         datetime.timedelta(minutes=10)
     monkeypatch.setenv("DEEPSPEED_TIMEOUT", "90")
-    assert grpo_run.collective_timeout() == datetime.timedelta(minutes=90)
+    assert distributed.collective_timeout() == datetime.timedelta(minutes=90)
 
 
 def test_a_finished_rank_is_never_taken_for_dead_and_the_last_to_end_removes_the_files(tmp_path, monkeypatch):
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait()
     host = socket.gethostname()
-    monkeypatch.setattr(grpo_run, "LAUNCH", {"ranks": [(os.getpid(), host), (finished.pid, host)], "rank": 1,
+    monkeypatch.setattr(distributed, "LAUNCH", {"ranks": [(os.getpid(), host), (finished.pid, host)], "rank": 1,
                                              "out_dir": tmp_path, "step": 3})
     for r in range(2):
-        grpo_run.rank_file(tmp_path, r).write_text("pid\n")
-    grpo_run.forget_rank(done=True)  # rank 1 done first: its file marked, rank 0's still running
-    monkeypatch.setitem(grpo_run.LAUNCH, "rank", 0)
-    assert grpo_run.rank_file(tmp_path, 1).read_text() == grpo_run.ENDED and grpo_run.dead_ranks() == ([], [1])
-    grpo_run.forget_rank(done=True)  # the last: every file marked, so every file removed
+        distributed.rank_file(tmp_path, r).write_text("pid\n")
+    distributed.forget_rank(done=True)  # rank 1 done first: its file marked, rank 0's still running
+    monkeypatch.setitem(distributed.LAUNCH, "rank", 0)
+    assert distributed.rank_file(tmp_path, 1).read_text() == distributed.ENDED and distributed.dead_ranks() == ([], [1])
+    distributed.forget_rank(done=True)  # the last: every file marked, so every file removed
     assert not list(tmp_path.glob(".rank*"))
 
 
@@ -288,20 +290,20 @@ def test_a_rank_gone_with_its_file_unmarked_died_and_one_that_marked_it_ended(tm
     host = socket.gethostname()
     ranks = [(os.getpid(), host), (killed.pid, host), (ended.pid, host), (killed.pid, "another-node"),
              (unfiled.pid, host)]
-    monkeypatch.setattr(grpo_run, "LAUNCH", {"ranks": ranks, "rank": 0, "out_dir": tmp_path, "step": 3})
+    monkeypatch.setattr(distributed, "LAUNCH", {"ranks": ranks, "rank": 0, "out_dir": tmp_path, "step": 3})
     for r in range(5):
-        grpo_run.rank_file(tmp_path, r).write_text(f"pid {ranks[r][0]} on {ranks[r][1]}\n")
-    grpo_run.rank_file(tmp_path, 2).write_text(grpo_run.ENDED)  # as one_line_early_ends marks it, however it ends
-    grpo_run.rank_file(tmp_path, 4).unlink()  # removed by hand: its death is still a death without a word
-    assert grpo_run.dead_ranks() == ([], [2])
+        distributed.rank_file(tmp_path, r).write_text(f"pid {ranks[r][0]} on {ranks[r][1]}\n")
+    distributed.rank_file(tmp_path, 2).write_text(distributed.ENDED)  # as one_line_early_ends marks it, however it ends
+    distributed.rank_file(tmp_path, 4).unlink()  # removed by hand: its death is still a death without a word
+    assert distributed.dead_ranks() == ([], [2])
     for p in (killed, unfiled):
         p.kill()
     deadline = time.time() + 10
-    while not all(map(grpo_run.process_gone, (killed.pid, unfiled.pid))) and time.time() < deadline:
+    while not all(map(distributed.process_gone, (killed.pid, unfiled.pid))) and time.time() < deadline:
         time.sleep(0.01)  # unreaped: a zombie, as a launcher's rank is until it polls
-    assert grpo_run.dead_ranks() == ([1, 4], [2])  # (rank 3, on another node, cannot be seen from here)
+    assert distributed.dead_ranks() == ([1, 4], [2])  # (rank 3, on another node, cannot be seen from here)
     killed.wait(), unfiled.wait()
-    assert grpo_run.dead_ranks() == ([1, 4], [2])
+    assert distributed.dead_ranks() == ([1, 4], [2])
 
 
 @pytest.mark.slow
@@ -344,7 +346,7 @@ def test_degenerate_batches(tmp_path, demo_dir):
     from transformers import AutoTokenizer
 
     args = train_grpo.parse_args(["--max-prompt-len", "13", "--eval-limit", "4"])
-    held_out = grpo_run.load_prompts("demo-test", AutoTokenizer.from_pretrained(demo_dir / "model"), args, 4)[1]
+    held_out = loading.load_prompts("demo-test", AutoTokenizer.from_pretrained(demo_dir / "model"), args, 4)[1]
     assert f"eval prompts ({held_out} too long, dropped)" in res.stdout and held_out > 0
     final = load_file(out / "checkpoints" / "step_000002" / "model.safetensors")
     initial = load_file(demo_dir / "model" / "model.safetensors")
@@ -434,7 +436,7 @@ def test_a_full_disk_ends_in_one_line_and_keeps_the_newest_checkpoint(tmp_path, 
         f"save at this step does); the same command resumes the run from {ckpts}/step_000001 (step 1)"]
 
     assert (copy / "checkpoints" / "latest").read_text() == "step_000001"
-    assert grpo_run.checkpoint_problem(copy / "checkpoints" / "step_000001", 1) is None
+    assert checkpoints.checkpoint_problem(copy / "checkpoints" / "step_000001", 1) is None
     assert load_file(copy / "checkpoints" / "step_000001" / "model.safetensors")
 
 

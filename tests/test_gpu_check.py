@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, cpu_env, deepspeed_run
 
-from grpo_run import PINS, installed_versions, pin_mismatch
+from grpo_utils import batching, memory
+from grpo_utils.flags import PINS, installed_versions, pin_mismatch
 
 CLOSED_INDEX = "http://127.0.0.1:9/simple"  # the discard port: nothing listens, a connection is refused at once
 
@@ -144,7 +145,7 @@ def test_update_benchmark_prints_mfu_and_the_forward_only_batch_cuts_gathers(tmp
 
 
 def test_attention_calls_count_the_path_packed_attention_took(demo_dir):
-    """grpo_run.ATTENTION_CALLS, what tests/update_check.py reports and test_gpu.py holds to attention_kind (a torch
+    """batching.ATTENTION_CALLS, what tests/update_check.py reports and test_gpu.py holds to attention_kind (a torch
     whose varlen_attn lacks enable_gqa/window_size falls back from the flash kernel to one sequence at a time): on
     the CPU each sequence through SDPA, its math kernel under --deterministic, padded rows through SDPA with their
     mask; one call a layer."""
@@ -153,18 +154,17 @@ def test_attention_calls_count_the_path_packed_attention_took(demo_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    import grpo_run
     import train_grpo as T
 
     packed = argparse.Namespace(padded=False, deterministic=False)
     model = AutoModelForCausalLM.from_pretrained(demo_dir / "model", dtype=torch.float32,
-                                                 attn_implementation=grpo_run.attention_implementation(packed))
+                                                 attn_implementation=batching.attention_implementation(packed))
     model.module = model  # token_logprobs reads the lm_head of a DeepSpeed engine's .module
     mb = [{"tokens": [5, 6, 7, 8, 9], "prompt_len": 2}, {"tokens": [10, 11, 12], "prompt_len": 1}]
 
     def calls(padded: bool, deterministic: bool = False) -> dict:
-        grpo_run.ATTENTION_CALLS.clear()
-        ids, resp, inputs = grpo_run.model_inputs(mb, argparse.Namespace(padded=padded, pad_id=0), torch.device("cpu"))
+        batching.ATTENTION_CALLS.clear()
+        ids, resp, inputs = batching.model_inputs(mb, argparse.Namespace(padded=padded, pad_id=0), torch.device("cpu"))
         was = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(deterministic)
         try:
@@ -172,7 +172,7 @@ def test_attention_calls_count_the_path_packed_attention_took(demo_dir):
                 T.token_logprobs(model, ids, resp, inputs, 1.0, 4)
         finally:
             torch.use_deterministic_algorithms(was)
-        return dict(grpo_run.ATTENTION_CALLS)
+        return dict(batching.ATTENTION_CALLS)
 
     layers = model.config.num_hidden_layers
     assert calls(padded=False) == {"sdpa": layers}
@@ -353,7 +353,7 @@ def test_gpu_check_names_every_package_whose_absence_skipped_a_test(tmp_path):
 
 
 def test_micro_batches_by_token_budget():
-    from grpo_run import micro_batches
+    from grpo_utils.batching import micro_batches
     from scripts.bench_step import padding_share, synthetic_rollouts
 
     rollouts = synthetic_rollouts(64, 512, 1536, 1000, seed=0)  # GRPO-like lengths: 768-2048 tokens
@@ -417,7 +417,7 @@ def hand_count(h, i, L, heads, kv_heads, d, vocab, tied):
 def test_memory_model_counts_what_a_micro_batch_holds(shape):
     from types import SimpleNamespace
 
-    from grpo_run import memory_model, token_budget
+    from grpo_utils.memory import memory_model, token_budget
     from scripts.bench_step import SHAPES
 
     cfg = SimpleNamespace(**SHAPES[shape])
@@ -465,7 +465,7 @@ def test_memory_model_counts_what_a_micro_batch_holds(shape):
 def test_memory_model_counts_the_gradients_larger_than_the_reduce_bucket(shape):
     from types import SimpleNamespace
 
-    from grpo_run import memory_model, micro_batch_bytes
+    from grpo_utils.memory import memory_model, micro_batch_bytes
     from scripts.bench_step import SHAPES
 
     cfg = SimpleNamespace(**SHAPES[shape])
@@ -516,13 +516,12 @@ H200 = ("NVIDIA H200", 150_011_707_392)
 
 def device_fit(monkeypatch, tmp_path, shape: str, device: tuple[str, int], world: int, *flags: str,
                ds_config: dict | None = None) -> str | None:
-    """grpo_run.device_fit on a simulated CUDA device, for a model directory of `shape` (a config, no weights)."""
+    """memory.device_fit on a simulated CUDA device, for a model directory of `shape` (a config, no weights)."""
     from types import SimpleNamespace
 
     import torch
     from transformers import Qwen2Config
 
-    import grpo_run
     import train_grpo as T
     from scripts.bench_step import SHAPES
 
@@ -533,7 +532,7 @@ def device_fit(monkeypatch, tmp_path, shape: str, device: tuple[str, int], world
     args = T.parse_args(["--model", str(model), "--max-prompt-len", "1024", "--max-response-len", "3072",
                          "--logprob-chunk", "1024", *flags])
     config = ds_config if ds_config is not None else T.deepspeed_config(args, world, bf16=True)
-    return grpo_run.device_fit(args, str(model), config, world, 0, grpo_run.attention_kind(args, cuda=True))
+    return memory.device_fit(args, str(model), config, world, 0, batching.attention_kind(args, cuda=True))
 
 
 def test_a_configuration_that_cannot_fit_its_devices_is_refused_before_any_engine(monkeypatch, tmp_path):

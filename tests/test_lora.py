@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import check_output_dir
 
-import grpo_run
 import train_grpo
+from grpo_utils import memory
+from grpo_utils.batching import micro_batching
 
 
 def adapted(demo_dir, rank: int = 2, alpha: float = 32.0):
@@ -70,8 +71,8 @@ def test_the_memory_model_counts_the_adapters_states_only():
     from scripts.bench_step import SHAPES
 
     cfg = Qwen2Config(**SHAPES["qwen2.5-7b"])
-    full = grpo_run.memory_model(cfg, True, 1024, "flash", 4096)
-    lora = grpo_run.memory_model(cfg, True, 1024, "flash", 4096, lora_rank=8)
+    full = memory.memory_model(cfg, True, 1024, "flash", 4096)
+    lora = memory.memory_model(cfg, True, 1024, "flash", 4096, lora_rank=8)
     h, i, q, kv, layers = 3584, 18944, 3584, 512, 28
     adapters = layers * 8 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))  # R (in + out) a layer
     assert lora["trained"] == adapters and full["trained"] == full["params"]
@@ -99,7 +100,7 @@ def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off(demo_dir,
     model = adapted(demo_dir)
     args = train_grpo.parse_args(["--model", "demo", "--lora-rank", "2", "--kl-coef", "0.01", "--minibatches", "1",
                                   "--group-size", "4", "--padded"])  # padded rows: the models' own attention
-    batching, cpu = grpo_run.micro_batching(args), torch.device("cpu")
+    batching, cpu = micro_batching(args), torch.device("cpu")
     rollouts = synthetic_rollouts(8, 4, 8, model.config.vocab_size, seed=0)
     monkeypatch.setattr(train_grpo, "update_minibatch", lambda *a: {"skipped": 0})  # the reference alone
     adv = torch.tensor([1.0, -1.0] * 4, dtype=torch.float64)

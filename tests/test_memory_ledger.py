@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, cpu_env
 
-from grpo_run import RESIDENT_GROUPS as STATES
+from grpo_utils.memory import RESIDENT_GROUPS as STATES
 from scripts.memory_ledger import predicted_peak
 
 # What a rank keeps between steps (STATES: its parameter partitions, master weights, gradient partitions, Adam's
@@ -87,7 +87,7 @@ def full_model(ledger: dict) -> dict:
     """memory_model of the ledger's run with full fine-tuning instead of its adapters."""
     from transformers import Qwen2Config
 
-    from grpo_run import memory_model
+    from grpo_utils.memory import memory_model
 
     st = ledger["settings"]
     return memory_model(Qwen2Config(**st["config"]), st["checkpointing"], st["chunk"], "flash", st["longest"],

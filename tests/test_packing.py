@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-import grpo_run
 import train_grpo
+from grpo_utils import batching, memory
 
 LENGTHS = (7, 19, 3, 12, 1)  # response tokens; each after a 5-token prompt
 
@@ -20,7 +20,7 @@ def policy(demo_dir):
 
     args = argparse.Namespace(padded=False, deterministic=False)
     model = AutoModelForCausalLM.from_pretrained(demo_dir / "model", dtype=torch.float32,
-                                                 attn_implementation=grpo_run.attention_implementation(args))
+                                                 attn_implementation=batching.attention_implementation(args))
     model.module = model  # token_logprobs reads the lm_head of a DeepSpeed engine's .module
     return model
 
@@ -34,7 +34,7 @@ def batch(vocab: int) -> list[dict]:
 def logprobs_and_grad(model, mb: list[dict], padded: bool, **packed_inputs):
     args = argparse.Namespace(padded=padded, pad_id=0)
     model.zero_grad()
-    ids, resp, inputs = grpo_run.model_inputs(mb, args, torch.device("cpu"))
+    ids, resp, inputs = batching.model_inputs(mb, args, torch.device("cpu"))
     inputs.update(packed_inputs)
     logp = train_grpo.token_logprobs(model, ids, resp, inputs, 1.0, 7)
     (logp * torch.linspace(-1, 1, len(logp))).sum().backward()  # any per-token weights: a loss's gradient
@@ -42,7 +42,7 @@ def logprobs_and_grad(model, mb: list[dict], padded: bool, **packed_inputs):
 
 
 def test_pack_batch_restarts_positions_and_bounds_each_sequence():
-    ids, resp, inputs = grpo_run.pack_batch([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [2, 1, 3], torch.device("cpu"))
+    ids, resp, inputs = batching.pack_batch([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [2, 1, 3], torch.device("cpu"))
     assert ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
     assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and inputs["max_length_q"] == 4
@@ -50,7 +50,7 @@ def test_pack_batch_restarts_positions_and_bounds_each_sequence():
     # the response tokens; a sequence's first token is a prompt's, so none is predicted across a boundary
     assert resp.tolist() == [[False, False, True, False, True, False, False, False, True]]
     with pytest.raises(AssertionError):
-        grpo_run.pack_batch([[1, 2]], [0], torch.device("cpu"))
+        batching.pack_batch([[1, 2]], [0], torch.device("cpu"))
 
 
 def test_packed_row_equals_padded_rows(policy):
@@ -94,12 +94,12 @@ def test_deterministic_packed_attention_is_the_math_kernel_and_repeats_bit_for_b
 
 def test_attention_kind_names_the_kernel_the_memory_model_counts():
     def kind(padded, deterministic, cuda):
-        return grpo_run.attention_kind(argparse.Namespace(padded=padded, deterministic=deterministic), cuda)
+        return batching.attention_kind(argparse.Namespace(padded=padded, deterministic=deterministic), cuda)
 
     assert [kind(False, False, True), kind(False, True, True), kind(False, False, False)] == ["flash", "math", "math"]
     assert [kind(True, False, True), kind(True, True, True)] == ["sdpa-masked", "eager"]
-    assert grpo_run.attention_implementation(argparse.Namespace(padded=True, deterministic=True)) == "eager"
-    assert grpo_run.attention_implementation(argparse.Namespace(padded=False, deterministic=True)) == "packed"
+    assert batching.attention_implementation(argparse.Namespace(padded=True, deterministic=True)) == "eager"
+    assert batching.attention_implementation(argparse.Namespace(padded=False, deterministic=True)) == "packed"
 
 
 def test_the_cuda_branch_calls_torchs_varlen_kernel_as_documented(policy, monkeypatch):
@@ -125,7 +125,7 @@ def test_the_cuda_branch_calls_torchs_varlen_kernel_as_documented(policy, monkey
             enable_gqa=True).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])])
 
     monkeypatch.setattr(varlen, "varlen_attn", kernel)
-    monkeypatch.setattr(grpo_run, "flash_kernel_applies", lambda q: True)
+    monkeypatch.setattr(batching, "flash_kernel_applies", lambda q: True)
     mb = batch(policy.config.vocab_size)
     lp, grad = logprobs_and_grad(policy, mb, padded=False)
     n = sum(5 + k for k in LENGTHS)
@@ -161,17 +161,17 @@ def test_the_measured_budget_reads_the_engine_as_deepspeed_names_it(monkeypatch)
     for deterministic in (False, True):
         args = argparse.Namespace(logprob_chunk=1024, padded=False, deterministic=deterministic)
         kind = "math" if deterministic else "flash"
-        model = grpo_run.memory_model(config, True, 1024, kind, 4096, 2e8, 4, 5e7)
+        model = memory.memory_model(config, True, 1024, kind, 4096, 2e8, 4, 5e7)
         adam = model["optimizer states"]
         assert adam == 8 * math.ceil(model["params"] / 4)  # two fp32 moments of this rank's quarter
         state.clear()  # before the first step: the budget leaves room for Adam's moments
-        budget, measured = grpo_run.measured_budget(engine, args, 4096)
-        assert measured == model and budget == grpo_run.token_budget(model, free, 4096, to_come=adam)
+        budget, measured = memory.measured_budget(engine, args, 4096)
+        assert measured == model and budget == memory.token_budget(model, free, 4096, to_come=adam)
         transient = model["fixed"] + model["gradients in flight"]
         assert transient + budget * model["per_token"] <= 0.9 * (free - adam)
         state["p"] = {"exp_avg": None}  # once it has stepped (or a checkpoint loaded them), they are held already
-        after, _ = grpo_run.measured_budget(engine, args, 4096)
-        assert after == grpo_run.token_budget(model, free, 4096) > budget
+        after, _ = memory.measured_budget(engine, args, 4096)
+        assert after == memory.token_budget(model, free, 4096) > budget
         assert (after - budget) * model["per_token"] == pytest.approx(0.9 * adam, abs=model["per_token"])
 
 
@@ -179,10 +179,10 @@ def test_an_older_torchs_varlen_kernel_is_not_called(monkeypatch):
     # a node's own torch whose varlen_attn lacks the causal window or GQA (or has none): one sequence at a time
     import torch.nn.attention.varlen as varlen
 
-    assert grpo_run.varlen_kernel_here()  # the pinned torch 2.13's has both
+    assert batching.varlen_kernel_here()  # the pinned torch 2.13's has both
     monkeypatch.setattr(varlen, "varlen_attn", lambda query, key, value, cu_seq_q, cu_seq_k, max_q, max_k: None)
-    grpo_run.varlen_kernel_here.cache_clear()
+    batching.varlen_kernel_here.cache_clear()
     try:
-        assert not grpo_run.varlen_kernel_here()
+        assert not batching.varlen_kernel_here()
     finally:
-        grpo_run.varlen_kernel_here.cache_clear()
+        batching.varlen_kernel_here.cache_clear()

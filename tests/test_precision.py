@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ROOT, cpu_env
 
-from grpo_run import jit_extensions_dir
+from grpo_utils.engines import jit_extensions_dir
 from train_grpo import deepspeed_config, linear_warmup, parse_args
 
 FLAGS = ["--model", "demo", "--prompts-per-step", "8", "--group-size", "4", "--minibatches", "2",

@@ -1,4 +1,4 @@
-"""Ranks balanced by tokens (grpo_run.balanced_deal, grpo_run.balance_ranks), micro-batches cut by their own
+"""Ranks balanced by tokens (batching.balanced_deal, batching.balance_ranks), micro-batches cut by their own
 sizing, no log-prob pass where nothing learns. tests/test_invariance.py holds the gradient of a batch dealt by
 tokens to the 1-rank gradient on 2 ranks."""
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from grpo_run import balanced_deal, micro_batches, micro_batching
+from grpo_utils.batching import balanced_deal, micro_batches, micro_batching
 from scripts.bench_rank_balance import contiguous_loads, grpo_lengths
 
 

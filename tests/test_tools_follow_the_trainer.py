@@ -38,9 +38,10 @@ def fork(tmp_path):
     """A copy of the project with the leave-one-out edit in train_grpo.py (data/ and sandboxed/ linked)."""
     copy = tmp_path / "fork"
     copy.mkdir()
-    for name in ("train_grpo.py", "grpo_run.py", "rewards.py", "evaluate.py", "ds_config.json"):
+    for name in ("train_grpo.py", "rewards.py", "evaluate.py", "ds_config.json"):
         shutil.copy(ROOT / name, copy / name)
-    shutil.copytree(ROOT / "scripts", copy / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("grpo_utils", "scripts"):
+        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("data", "sandboxed", ".cache"):
         if (ROOT / name).exists():
             (copy / name).symlink_to(ROOT / name)
@@ -77,13 +78,14 @@ def test_no_script_imports_the_tests():
 def test_the_trainer_never_changes_its_arguments_after_parsing():
     # args is what was parsed: outside parse_args no function of the trainer or its plumbing assigns an attribute
     # of `args`, setattr()s one or updates vars(args). What a run learns (its micro-batch sizes: recorded, or the
-    # budget measured at its first update; the pad token) lives in grpo_run.micro_batching's namespace.
+    # budget measured at its first update; the pad token) lives in batching.micro_batching's namespace.
     import ast
 
     from conftest import ROOT
 
-    for name in ("train_grpo.py", "grpo_run.py"):
-        for fn in (n for n in ast.walk(ast.parse((ROOT / name).read_text())) if isinstance(n, ast.FunctionDef)):
+    for path in [ROOT / "train_grpo.py", *sorted((ROOT / "grpo_utils").glob("*.py"))]:
+        name = path.name
+        for fn in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)):
             if fn.name == "parse_args":
                 continue
             for node in ast.walk(fn):

@@ -127,7 +127,8 @@ def test_cpu_ranks_get_their_own_cores():
     import sys
 
     cores = sorted(os.sched_getaffinity(0))
-    probe = ("import os, sys, torch, train_grpo, grpo_run; grpo_run.pin_cpu_rank(int(sys.argv[1]), int(sys.argv[2])); "
+    probe = ("import os, sys, torch, train_grpo; from grpo_utils import distributed; "
+             "distributed.pin_cpu_rank(int(sys.argv[1]), int(sys.argv[2])); "
              "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())")
 
     def pinned(rank, world, **env):

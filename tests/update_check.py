@@ -13,7 +13,7 @@ update again, which must reproduce the first time's fp32 master weights: bit for
 from the first time, relative to the update's own change (L2 norms over all ranks' partitions), must be at most
 REDO_TOLERANCE. That criterion is judged on the spot: the same redo from a resume broken on purpose (Adam's
 moments not restored; its step count not restored) must exceed it. Also the collective helpers (all_reduce,
-all_gather_objects) on the backend's device, and which attention the packed update ran (grpo_run.ATTENTION_CALLS,
+all_gather_objects) on the backend's device, and which attention the packed update ran (ATTENTION_CALLS,
 beside attention_kind's: one line). Each rank writes DIR/update_check_rankR.json.
 """
 
@@ -31,16 +31,19 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import grpo_run  # noqa: E402
 import train_grpo as T  # noqa: E402
-from grpo_run import check_args, checkpoint_problem, micro_batch_bytes  # noqa: E402
+from grpo_utils import checkpoints, distributed  # noqa: E402
+from grpo_utils.batching import ATTENTION_CALLS, attention_kind, micro_batching  # noqa: E402
+from grpo_utils.checkpoints import checkpoint_problem  # noqa: E402
+from grpo_utils.flags import check_args  # noqa: E402
+from grpo_utils.memory import measured_budget, micro_batch_bytes  # noqa: E402
 from scripts.bench_step import SHAPES, synthetic_rollouts  # noqa: E402
 
 # a redo within this share of the update's own change is kernel noise; a broken resume moves the update by far
 # more (measured on the CPU: see tests/test_gpu_check.py and docs/gpu.md)
 REDO_TOLERANCE = 0.1
 FAULTS = ("moments", "step")  # what a broken resume could fail to restore
-# grpo_run.ATTENTION_CALLS's paths: which attention the packed update ran
+# ATTENTION_CALLS's paths: which attention the packed update ran
 ATTENTION_PATHS = {"flash": "varlen_attn", "math": "scaled_dot_product_attention per sequence, math kernel",
                    "sdpa": "scaled_dot_product_attention per sequence", "sdpa-masked": "SDPA with a padding mask"}
 
@@ -99,7 +102,7 @@ def relative_distance(xs: list[torch.Tensor], ys: list[torch.Tensor], bs: list[t
     """||x - y|| / ||y - b|| over every rank's partitions: a redo x against the update y from b."""
     num = sum(((x - y).double() ** 2).sum().item() for x, y in zip(xs, ys))
     den = sum(((y - b).double() ** 2).sum().item() for y, b in zip(ys, bs))
-    num, den = T.all_reduce([num, den]).tolist()
+    num, den = distributed.all_reduce([num, den]).tolist()
     return (num / den) ** 0.5 if den > 0 else float("inf")
 
 
@@ -122,10 +125,10 @@ def main() -> None:
     p.add_argument("--local_rank", type=int, default=-1)
     a = p.parse_args()
     if a.deterministic:
-        grpo_run.make_deterministic()
+        distributed.make_deterministic()
     out, world = Path(a.out), int(os.environ.get("WORLD_SIZE", "1"))
     out.mkdir(parents=True, exist_ok=True)
-    rank, local_rank = grpo_run.init_distributed(out, [], world, T.all_gather_objects)
+    rank, local_rank = distributed.init_distributed(out, [], world)
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -143,13 +146,13 @@ def main() -> None:
                         + (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens is not None
                            else []))
     check_args(args, world, T.POLICY_LOSS_DEFAULTS[args.policy_loss], T.OFFLINE_DEFAULTS)
-    batching = grpo_run.micro_batching(args)  # pad id 0
+    batching = micro_batching(args)  # pad id 0
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     engine, ref_engine = T.build_trainer(args, str(model_dir), T.deepspeed_config(args, world))
     memory = None
     if batching.micro_batch_tokens is None:  # CUDA: as the trainer sizes it at its first update
-        batching.micro_batch_tokens, memory = grpo_run.measured_budget(engine, args, a.prompt_len + a.response_len)
+        batching.micro_batch_tokens, memory = measured_budget(engine, args, a.prompt_len + a.response_len)
     held = torch.cuda.memory_allocated() if cuda else 0
     # what the optimizer has yet to make (Adam's moments, at its first step): part of the peak from then on
     to_come = T.states_to_come(engine, memory) if memory is not None else 0.0
@@ -161,16 +164,17 @@ def main() -> None:
               "fused": optimizer.defaults.get("fused"), "zero_stage": engine.zero_optimization_stage(),
               "checkpointing": engine.module.is_gradient_checkpointing, "deterministic": a.deterministic,
               "micro_batch_tokens": batching.micro_batch_tokens,
-              "collective_device": str(T.collective_device()),
-              "all_reduce": [T.all_reduce([rank, 1.0]).tolist(), T.all_reduce([rank], "max").tolist()],
-              "all_gather_objects": T.all_gather_objects({"rank": rank})}
+              "collective_device": str(distributed.collective_device()),
+              "all_reduce": [distributed.all_reduce([rank, 1.0]).tolist(),
+                             distributed.all_reduce([rank], "max").tolist()],
+              "all_gather_objects": distributed.all_gather_objects({"rank": rank})}
 
     t0 = time.time()
     first = update(engine, ref_engine, args, batching, 1, rank, device)
     result["step_s"] = time.time() - t0
     root = out / "run" / "checkpoints"
-    grpo_run.save_checkpoint(engine, tokenizer, root, 1, {"step": 1, "order": [], "bad_streak": 0}, rank, keep_last=2,
-                             weights=T.policy_weights(engine))
+    checkpoints.save_checkpoint(engine, tokenizer, root, 1, {"step": 1, "order": [], "bad_streak": 0}, rank,
+                                keep_last=2, weights=T.policy_weights(engine))
     saved = master_weights(engine)
     straight = update(engine, ref_engine, args, batching, 2, rank, device)
     after = master_weights(engine)
@@ -193,7 +197,7 @@ def main() -> None:
         result["faults"][fault] = relative_distance(master_weights(engine), after, saved)
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     # the attention each packed_attention call ran, beside the one attention_kind reports (the memory model's)
-    result["attention"], result["attention_kind"] = dict(grpo_run.ATTENTION_CALLS), grpo_run.attention_kind(args, cuda)
+    result["attention"], result["attention_kind"] = dict(ATTENTION_CALLS), attention_kind(args, cuda)
     result["micro_batches"] = first["micro_batches"] / args.minibatches
     if memory is not None:  # the memory model's bound: the states held and to come (Adam's moments), and beside
         # them the larger of a largest micro-batch (its fixed bytes, tokens and gradients in flight) and the optimizer
