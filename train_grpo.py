@@ -15,9 +15,9 @@ One step, top to bottom: the numbered sections of this file, and main()'s loop.
   6. update       ZeRO-3 backward and step per mini-batch, over packed micro-batches cut by a
                   token budget (each a row of whole sequences, attention confined to each);
   7. sync         gather ZeRO-3 partitions one parameter at a time into vLLM, in place.
-Then the engines, then main(). The run's plumbing (argument checks, the run
-directory, checkpoints, early ends, packed micro-batches and the attention kernels, memory sizing, the
-launch, metrics and loggers) is in grpo_utils/, one room a concern.
+Then the flags (arguments()), the engines, and main(). The run's plumbing (argument checks, the run
+directory, checkpoints, the ranks and their collectives, packed micro-batches and the attention kernels,
+memory sizing, metrics and loggers) is in grpo_utils/, one room a concern.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_extensions_dir())  # a user's 
 # -----------------------------------------------------------------------------
 # Hyperparameters. Defaults follow the DAPO recipe (clip-higher 0.2/0.28, lr 1e-6 with
 # 10 warm-up steps, no KL, 16 responses per prompt, 512 prompts per step in 16
-# mini-batches). `--model demo` switches to DEMO_DEFAULTS unless a flag is given.
+# mini-batches). `--model demo` switches to DEMO_DEFAULTS unless a flag is given. Every flag, with
+# its default and help, is in arguments(), after the seven sections.
 
 
 DEMO_DEFAULTS = dict(
@@ -137,138 +138,6 @@ POLICY_LOSS_DEFAULTS = {
     "cispo": dict(clip_eps_low=1.0, clip_eps_high=4.0),
     "sapo": dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05),  # SAPO's gate temperatures
 }
-
-
-def arguments() -> argparse.ArgumentParser:
-    """The trainer's flags, each with what it is to a run (run=, flags.FLAG_ROLES): "resume" may change on
-    --resume, "launch" may differ between one run's launches, "device" defaults by the device, "size" is a
-    micro-batch size. A flag declared with nothing is the run's identity: no launch may change it."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    def a(*names: str, run: str = "", before=SAME_BEFORE, **kw) -> None:
-        declare(p.add_argument(*names, **kw), run.split(), before)
-
-    a("--model", default="demo", help="HF model id or local dir; 'demo', 'lab', 'lab-nogap(-hi)': offline policies")
-    a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="prepared .jsonl/.parquet, HF name, or 'demo'")
-    a("--eval-dataset", run="resume", default=None, help="held-out prompts scored every --eval-interval steps")
-    a("--template", default="dapo", choices=["plain", "chat", "boxed", "dapo"])
-    a("--agg", default="balanced", choices=AGGS, help="loss aggregation rule (README's table; balanced-batch: this "
-      "project's variant)")
-    a("--policy-loss", default="ppo", choices=list(POLICY_LOSS_DEFAULTS),
-      help="per-token surrogate: PPO-clip, GSPO, CISPO or SAPO (docs/workbench.md; each with its paper's defaults)")
-    a("--group-size", type=int, default=16, help="G: responses sampled per prompt")
-    a("--prompts-per-step", type=int, default=512, help="prompts per rollout batch, over all ranks")
-    a("--minibatches", type=int, default=16, help="optimizer updates per rollout batch")
-    a("--micro-batch-size", run="resume device size", type=int, default=None,
-      help="responses per forward/backward per rank at most (default 4; with a token budget: no cap but it)")
-    a("--micro-batch-tokens", run="launch size", type=int, default=None,
-      help="tokens per forward/backward per rank: micro-batches of length-sorted responses filled up to it (default: "
-           "on CUDA sized from the free memory at the first update by memory_model, recorded in the run; on the "
-           "CPU 0 = off)")
-    a("--padded", run="launch", action="store_true",
-      help="right-padded micro-batches (rows x the longest count against the budget) instead of packed rows, "
-           "for comparison (docs/gpu.md)")
-    a("--lr", run="resume", type=float, default=1e-6)
-    a("--lr-warmup-steps", run="resume", type=int, default=10, help="rollout steps of linear warm-up")
-    a("--weight-decay", run="resume", type=float, default=0.1)
-    a("--clip-eps-low", run="resume", type=float, default=None,
-      help="ratio clip 1 - eps (default ppo 0.2, gspo 3e-4, cispo 1: none)")
-    a("--clip-eps-high", run="resume", type=float, default=None,
-      help="ratio clip 1 + eps (default ppo 0.28, gspo 4e-4, cispo 4)")
-    a("--sapo-tau-pos", run="resume", type=float, default=None,
-      help="SAPO's gate temperature where A > 0 (default 1.0)")
-    a("--sapo-tau-neg", run="resume", type=float, default=None,
-      help="SAPO's gate temperature where A < 0 (default 1.05)")
-    a("--lora-rank", type=int, default=0, help="R > 0: train LoRA adapters of rank R on every linear layer of the "
-      "decoder (PEFT), the base frozen; vLLM samples the merged policy (docs/lora.md). 0: full fine-tuning")
-    a("--lora-alpha", type=float, default=32.0, help="LoRA's update is (alpha / R) B A (32: LoRA Without Regret's, "
-      "with which the best lr hardly moves with R)")
-    a("--kl-coef", run="resume", type=float, default=0.0, help="k3 KL to a frozen reference; 0 = no reference model")
-    a("--no-std-norm", action="store_true", help="A = r - mean (Dr. GRPO): do not divide by the group std")
-    a("--max-prompt-len", type=int, default=1024, help="longer prompts are dropped (counted)")
-    a("--max-response-len", run="resume", type=int, default=3072)
-    a("--temperature", run="resume", type=float, default=1.0)
-    a("--top-p", run="resume", type=float, default=1.0)
-    a("--steps", run="launch", type=int, default=500)
-    a("--eval-interval", run="launch", type=int, default=25)
-    a("--eval-samples", run="resume", type=int, default=8, help="k of the sampled Acc@k at evaluation")
-    a("--eval-limit", run="resume", type=int, default=512, help="at most this many held-out prompts")
-    a("--save-interval", run="launch", type=int, default=50, help="steps between checkpoints (full state + HF export)")
-    a("--keep-last", run="launch", type=int, default=3,
-      help="full training states kept, at least 1 (HF exports are all kept)")
-    a("--resume", run="launch", action="store_true",
-      help="continue from the latest checkpoint in --output-dir, which must hold one; may change the flags "
-           "declared run=\"resume\" (lr, clip eps, temperature, ...)")
-    a("--max-bad-steps", run="launch", type=int, default=5, help="consecutive non-finite steps before the run stops")
-    a("--mask-truncated", action="store_true", help="no loss on responses cut at --max-response-len (DAPO)")
-    a("--dynamic-sampling", action="store_true",
-      help="DAPO: train only on groups whose scores differ, sampling further prompts in rounds to fill the step")
-    a("--max-sample-rounds", type=int, default=10, help="--dynamic-sampling: rounds per step at most, then train on "
-      "the groups kept")
-    a("--overlong-buffer", type=int, default=0, help="DAPO's soft overlong penalty over the last N tokens before "
-      "--max-response-len (0: off)")
-    a("--overlong-penalty", type=float, default=1.0, help="its value at --max-response-len: -alpha")
-    a("--rollout-correction", default="none", choices=["none", "token", "sequence"],
-      help="correct vLLM-vs-trainer mismatch: truncated importance weights per token, or a per-response mask")
-    a("--rollout-correction-cap", run="resume", type=float, default=2.0,
-      help="C: token weights min(ratio, C); mask [1/C, C]")
-    a("--report-to", run="launch", nargs="+", default=["tensorboard"], choices=["tensorboard", "wandb"],
-      help="metrics.jsonl always; TensorBoard (tb/) and/or wandb (WANDB_PROJECT, default balanced-grpo)")
-    a("--peak-tflops", run="launch", type=float, default=None,
-      help="CUDA: the device's peak bf16 TFLOP/s for MFU (default: table)")
-    a("--output-dir", run="launch", default=None, help="default runs/<model>-<agg>")
-    a("--seed", type=int, default=42)
-    a("--ds-config", default=str(ROOT / "ds_config.json"))
-    a("--gradient-checkpointing", run="resume device", action=argparse.BooleanOptionalAction, default=None,
-      help="recompute activations in backward (default: on with CUDA, where 7B activations do not fit without it)")
-    a("--logprob-chunk", run="resume device", type=int, default=None,
-      help="tokens per lm_head chunk in log-prob computation (default 1024 on CUDA, 256 on the CPU)")
-    a("--logprob-batch-size", run="launch size", type=int, default=None,
-      help="responses per forward-only pass (old and reference log-probs) per rank; default 4 x --micro-batch-size "
-           "(with a token budget: no cap but it)")
-    a("--deterministic", run="launch", action="store_true",
-      help="bit-exact reruns of the update on CUDA: deterministic kernels, math attention (slower; docs/gpu.md)")
-    a("--rollout-seed", default="request", choices=["request", "engine"],
-      help="request: each prompt's samples seeded by (seed, step, prompt), whatever the sharding; engine: each "
-           "engine's own stream, seeded by --seed + rank (docs/gpu.md)")
-    a("--vllm-gpu-memory", run="launch", type=float, default=0.7,
-      help="CUDA only: vLLM's share of GPU memory (docs/gpu.md)")
-    a("--vllm-max-num-seqs", run="launch", type=int, default=256,
-      help="CUDA only: sequences vLLM decodes at once per engine")
-    a("--reward-workers", run="launch", type=int, default=4)
-    a("--code-reward", before="fraction", default="all-pass", choices=["all-pass", "fraction"],
-      help="code: 1 only when every test passes (default, as accuracy counts), or the fraction of stdio cases "
-           "(docs/rewards.md)")
-    a("--local_rank", run="launch", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = arguments()
-    pre, _ = p.parse_known_args(argv)
-    if pre.model in OFFLINE_DEFAULTS:
-        p.set_defaults(**OFFLINE_DEFAULTS[pre.model])
-    args = p.parse_args(argv)
-    # the flags the command gives, as opposed to defaults: a run whose record predates a flag keeps the value
-    # it was trained with unless it is given (before=), and a flag that needs another is refused alone
-    unset = object()
-    given = p.parse_args(argv, argparse.Namespace(**{action.dest: unset for action in p._actions}))
-    args.flags_given = sorted(k for k, v in vars(given).items() if v is not unset)
-    for k, v in POLICY_LOSS_DEFAULTS[args.policy_loss].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    cuda = torch.cuda.is_available()
-    if args.logprob_chunk is None:  # [chunk x vocab] fp32 logits at a time: 0.6 GiB at 1024 x 152k
-        args.logprob_chunk = 1024 if cuda else 256
-    if args.micro_batch_tokens is None and not cuda:  # CUDA: sized once the engines hold their memory
-        args.micro_batch_tokens = 0
-    if args.micro_batch_size is None and args.micro_batch_tokens == 0:
-        args.micro_batch_size = 4
-    if args.logprob_batch_size is None and args.micro_batch_size is not None:
-        args.logprob_batch_size = 4 * args.micro_batch_size  # no activations kept for a backward: more fit
-    if args.output_dir is None:
-        args.output_dir = f"runs/{Path(args.model).name}-{args.agg}"
-    return args
 
 
 # -----------------------------------------------------------------------------
@@ -856,6 +725,143 @@ def _repack_cpu_lm_head(model: torch.nn.Module) -> None:
     lm_head = getattr(model, "lm_head", None)
     if lm_head is not None and hasattr(lm_head, "quant_method"):
         lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+# -----------------------------------------------------------------------------
+# The flags: every hyperparameter above and the run's own (model, data, lengths, intervals, memory), each
+# declaring what it is to a run.
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The trainer's flags, each with what it is to a run (run=, flags.FLAG_ROLES): "resume" may change on
+    --resume, "launch" may differ between one run's launches, "device" defaults by the device, "size" is a
+    micro-batch size. A flag declared with nothing is the run's identity: no launch may change it."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def a(*names: str, run: str = "", before=SAME_BEFORE, **kw) -> None:
+        declare(p.add_argument(*names, **kw), run.split(), before)
+
+    a("--model", default="demo", help="HF model id or local dir; 'demo', 'lab', 'lab-nogap(-hi)': offline policies")
+    a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="prepared .jsonl/.parquet, HF name, or 'demo'")
+    a("--eval-dataset", run="resume", default=None, help="held-out prompts scored every --eval-interval steps")
+    a("--template", default="dapo", choices=["plain", "chat", "boxed", "dapo"])
+    a("--agg", default="balanced", choices=AGGS, help="loss aggregation rule (README's table; balanced-batch: this "
+      "project's variant)")
+    a("--policy-loss", default="ppo", choices=list(POLICY_LOSS_DEFAULTS),
+      help="per-token surrogate: PPO-clip, GSPO, CISPO or SAPO (docs/workbench.md; each with its paper's defaults)")
+    a("--group-size", type=int, default=16, help="G: responses sampled per prompt")
+    a("--prompts-per-step", type=int, default=512, help="prompts per rollout batch, over all ranks")
+    a("--minibatches", type=int, default=16, help="optimizer updates per rollout batch")
+    a("--micro-batch-size", run="resume device size", type=int, default=None,
+      help="responses per forward/backward per rank at most (default 4; with a token budget: no cap but it)")
+    a("--micro-batch-tokens", run="launch size", type=int, default=None,
+      help="tokens per forward/backward per rank: micro-batches of length-sorted responses filled up to it (default: "
+           "on CUDA sized from the free memory at the first update by memory_model, recorded in the run; on the "
+           "CPU 0 = off)")
+    a("--padded", run="launch", action="store_true",
+      help="right-padded micro-batches (rows x the longest count against the budget) instead of packed rows, "
+           "for comparison (docs/gpu.md)")
+    a("--lr", run="resume", type=float, default=1e-6)
+    a("--lr-warmup-steps", run="resume", type=int, default=10, help="rollout steps of linear warm-up")
+    a("--weight-decay", run="resume", type=float, default=0.1)
+    a("--clip-eps-low", run="resume", type=float, default=None,
+      help="ratio clip 1 - eps (default ppo 0.2, gspo 3e-4, cispo 1: none)")
+    a("--clip-eps-high", run="resume", type=float, default=None,
+      help="ratio clip 1 + eps (default ppo 0.28, gspo 4e-4, cispo 4)")
+    a("--sapo-tau-pos", run="resume", type=float, default=None,
+      help="SAPO's gate temperature where A > 0 (default 1.0)")
+    a("--sapo-tau-neg", run="resume", type=float, default=None,
+      help="SAPO's gate temperature where A < 0 (default 1.05)")
+    a("--lora-rank", type=int, default=0, help="R > 0: train LoRA adapters of rank R on every linear layer of the "
+      "decoder (PEFT), the base frozen; vLLM samples the merged policy (docs/lora.md). 0: full fine-tuning")
+    a("--lora-alpha", type=float, default=32.0, help="LoRA's update is (alpha / R) B A (32: LoRA Without Regret's, "
+      "with which the best lr hardly moves with R)")
+    a("--kl-coef", run="resume", type=float, default=0.0, help="k3 KL to a frozen reference; 0 = no reference model")
+    a("--no-std-norm", action="store_true", help="A = r - mean (Dr. GRPO): do not divide by the group std")
+    a("--max-prompt-len", type=int, default=1024, help="longer prompts are dropped (counted)")
+    a("--max-response-len", run="resume", type=int, default=3072)
+    a("--temperature", run="resume", type=float, default=1.0)
+    a("--top-p", run="resume", type=float, default=1.0)
+    a("--steps", run="launch", type=int, default=500)
+    a("--eval-interval", run="launch", type=int, default=25)
+    a("--eval-samples", run="resume", type=int, default=8, help="k of the sampled Acc@k at evaluation")
+    a("--eval-limit", run="resume", type=int, default=512, help="at most this many held-out prompts")
+    a("--save-interval", run="launch", type=int, default=50, help="steps between checkpoints (full state + HF export)")
+    a("--keep-last", run="launch", type=int, default=3,
+      help="full training states kept, at least 1 (HF exports are all kept)")
+    a("--resume", run="launch", action="store_true",
+      help="continue from the latest checkpoint in --output-dir, which must hold one; may change the flags "
+           "declared run=\"resume\" (lr, clip eps, temperature, ...)")
+    a("--max-bad-steps", run="launch", type=int, default=5, help="consecutive non-finite steps before the run stops")
+    a("--mask-truncated", action="store_true", help="no loss on responses cut at --max-response-len (DAPO)")
+    a("--dynamic-sampling", action="store_true",
+      help="DAPO: train only on groups whose scores differ, sampling further prompts in rounds to fill the step")
+    a("--max-sample-rounds", type=int, default=10, help="--dynamic-sampling: rounds per step at most, then train on "
+      "the groups kept")
+    a("--overlong-buffer", type=int, default=0, help="DAPO's soft overlong penalty over the last N tokens before "
+      "--max-response-len (0: off)")
+    a("--overlong-penalty", type=float, default=1.0, help="its value at --max-response-len: -alpha")
+    a("--rollout-correction", default="none", choices=["none", "token", "sequence"],
+      help="correct vLLM-vs-trainer mismatch: truncated importance weights per token, or a per-response mask")
+    a("--rollout-correction-cap", run="resume", type=float, default=2.0,
+      help="C: token weights min(ratio, C); mask [1/C, C]")
+    a("--report-to", run="launch", nargs="+", default=["tensorboard"], choices=["tensorboard", "wandb"],
+      help="metrics.jsonl always; TensorBoard (tb/) and/or wandb (WANDB_PROJECT, default balanced-grpo)")
+    a("--peak-tflops", run="launch", type=float, default=None,
+      help="CUDA: the device's peak bf16 TFLOP/s for MFU (default: table)")
+    a("--output-dir", run="launch", default=None, help="default runs/<model>-<agg>")
+    a("--seed", type=int, default=42)
+    a("--ds-config", default=str(ROOT / "ds_config.json"))
+    a("--gradient-checkpointing", run="resume device", action=argparse.BooleanOptionalAction, default=None,
+      help="recompute activations in backward (default: on with CUDA, where 7B activations do not fit without it)")
+    a("--logprob-chunk", run="resume device", type=int, default=None,
+      help="tokens per lm_head chunk in log-prob computation (default 1024 on CUDA, 256 on the CPU)")
+    a("--logprob-batch-size", run="launch size", type=int, default=None,
+      help="responses per forward-only pass (old and reference log-probs) per rank; default 4 x --micro-batch-size "
+           "(with a token budget: no cap but it)")
+    a("--deterministic", run="launch", action="store_true",
+      help="bit-exact reruns of the update on CUDA: deterministic kernels, math attention (slower; docs/gpu.md)")
+    a("--rollout-seed", default="request", choices=["request", "engine"],
+      help="request: each prompt's samples seeded by (seed, step, prompt), whatever the sharding; engine: each "
+           "engine's own stream, seeded by --seed + rank (docs/gpu.md)")
+    a("--vllm-gpu-memory", run="launch", type=float, default=0.7,
+      help="CUDA only: vLLM's share of GPU memory (docs/gpu.md)")
+    a("--vllm-max-num-seqs", run="launch", type=int, default=256,
+      help="CUDA only: sequences vLLM decodes at once per engine")
+    a("--reward-workers", run="launch", type=int, default=4)
+    a("--code-reward", before="fraction", default="all-pass", choices=["all-pass", "fraction"],
+      help="code: 1 only when every test passes (default, as accuracy counts), or the fraction of stdio cases "
+           "(docs/rewards.md)")
+    a("--local_rank", run="launch", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = arguments()
+    pre, _ = p.parse_known_args(argv)
+    if pre.model in OFFLINE_DEFAULTS:
+        p.set_defaults(**OFFLINE_DEFAULTS[pre.model])
+    args = p.parse_args(argv)
+    # the flags the command gives, as opposed to defaults: a run whose record predates a flag keeps the value
+    # it was trained with unless it is given (before=), and a flag that needs another is refused alone
+    unset = object()
+    given = p.parse_args(argv, argparse.Namespace(**{action.dest: unset for action in p._actions}))
+    args.flags_given = sorted(k for k, v in vars(given).items() if v is not unset)
+    for k, v in POLICY_LOSS_DEFAULTS[args.policy_loss].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    cuda = torch.cuda.is_available()
+    if args.logprob_chunk is None:  # [chunk x vocab] fp32 logits at a time: 0.6 GiB at 1024 x 152k
+        args.logprob_chunk = 1024 if cuda else 256
+    if args.micro_batch_tokens is None and not cuda:  # CUDA: sized once the engines hold their memory
+        args.micro_batch_tokens = 0
+    if args.micro_batch_size is None and args.micro_batch_tokens == 0:
+        args.micro_batch_size = 4
+    if args.logprob_batch_size is None and args.micro_batch_size is not None:
+        args.logprob_batch_size = 4 * args.micro_batch_size  # no activations kept for a backward: more fit
+    if args.output_dir is None:
+        args.output_dir = f"runs/{Path(args.model).name}-{args.agg}"
+    return args
 
 
 # -----------------------------------------------------------------------------
