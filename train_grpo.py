@@ -71,9 +71,9 @@ from grpo_utils.batching import (  # noqa: E402
 )
 from grpo_utils.checkpoints import (  # noqa: E402
     damaged_shard,
-    finished,
     load_training_state,
     rng_state,
+    run_complete,
     save_step,
     seed_rngs,
     set_rng_state,
@@ -83,16 +83,16 @@ from grpo_utils.distributed import (  # noqa: E402
     LAUNCH,
     all_gather_objects,
     all_reduce,
+    ends_in_one_line,
     exit_without_teardown,
     init_distributed,
     make_deterministic,
     note_ranks,
-    one_line_early_ends,
     stop_after_bad_steps,
     stop_on_nonfinite_weights,
 )
 from grpo_utils.engines import check_jit_cache, deepspeed_config, jit_extensions_dir, linear_warmup, vllm_cpu_kwargs  # noqa: E402
-from grpo_utils.flags import SAME_BEFORE, check_args, declare, flags_with, installed_versions, pin_mismatch  # noqa: E402
+from grpo_utils.flags import NO_BEFORE_VALUE, check_args, declare, flags_with, installed_versions, pin_mismatch  # noqa: E402
 from grpo_utils.memory import device_fit, memory_to_update, states_to_come, trainer_memory  # noqa: E402
 from grpo_utils.metrics import gpu_memory, model_flops_fn, open_loggers, resumable_values, step_metrics  # noqa: E402
 from grpo_utils.run_dir import apply_recorded_sizes, check_output_dir, checked_sizes, device_record  # noqa: E402
@@ -597,19 +597,19 @@ def update_minibatch(engine, batch: list[dict], weights: torch.Tensor, args, bat
         adv = per_token(torch.tensor([r["advantage"] for r in mb], dtype=logp.dtype))
         w = per_token(weights[idx].to(logp.dtype))
         c = rollout_correction(old, vllm, n_tok, args.rollout_correction, args.rollout_correction_cap)
-        loss_t, st = policy_loss_per_token(logp, old, adv, eps_low=args.clip_eps_low, eps_high=args.clip_eps_high,
-                                           ref_logp=ref, kl_coef=args.kl_coef, correction=c, loss=args.policy_loss,
-                                           lengths=n_tok, tau=(args.sapo_tau_pos, args.sapo_tau_neg))
+        loss_t, loss_stats = policy_loss_per_token(
+            logp, old, adv, eps_low=args.clip_eps_low, eps_high=args.clip_eps_high, ref_logp=ref, kl_coef=args.kl_coef,
+            correction=c, loss=args.policy_loss, lengths=n_tok, tau=(args.sapo_tau_pos, args.sapo_tau_neg))
         loss = (w * loss_t).sum()
         engine.backward(loss, scale_wrt_gas=False)
         engine.step()
         gap = old - vllm  # log pi_old / pi_vllm on the tokens vLLM sampled
-        st.update(mismatch_abs=gap.abs(), mismatch_kl=torch.expm1(gap) - gap, mismatch_out=gap.abs() > log_cap,
+        loss_stats.update(mismatch_abs=gap.abs(), mismatch_kl=torch.expm1(gap) - gap, mismatch_out=gap.abs() > log_cap,
                   correction=c)  # mismatch_kl: k3 estimate of KL(pi_vllm || pi_old)
         sums["pg_loss"] += loss.item()
         sums["token_weight"] += w.sum().item()  # sum_i w_i L_i: the loss's scale (1 for a mean of token terms)
         sums["tokens"] += logp.numel()
-        for k, v in st.items():
+        for k, v in loss_stats.items():
             sums[k] += v.float().sum().item()
     sums["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
     sums["micro_batches"] = len(parts)
@@ -735,11 +735,12 @@ def _repack_cpu_lm_head(model: torch.nn.Module) -> None:
 def arguments() -> argparse.ArgumentParser:
     """The trainer's flags, each with what it is to a run (run=, flags.FLAG_ROLES): "resume" may change on
     --resume, "launch" may differ between one run's launches, "device" defaults by the device, "size" is a
-    micro-batch size. A flag declared with nothing is the run's identity: no launch may change it."""
+    micro-batch size. A flag declared with nothing is the run's identity: no launch may change it. bounds=(lo, hi,
+    why): the closed range a float flag is checked against (flags.check_args), where float32 ends or use does."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def a(*names: str, run: str = "", before=SAME_BEFORE, **kw) -> None:
-        declare(p.add_argument(*names, **kw), run.split(), before)
+    def a(*names: str, run: str = "", before=NO_BEFORE_VALUE, bounds=None, **kw) -> None:
+        declare(p.add_argument(*names, **kw), run.split(), before, bounds)
 
     a("--model", default="demo", help="HF model id or local dir; 'demo', 'lab', 'lab-nogap(-hi)': offline policies")
     a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="prepared .jsonl/.parquet, HF name, or 'demo'")
@@ -767,20 +768,26 @@ def arguments() -> argparse.ArgumentParser:
     a("--clip-eps-low", run="resume", type=float, default=None,
       help="ratio clip 1 - eps (default ppo 0.2, gspo 3e-4, cispo 1: none)")
     a("--clip-eps-high", run="resume", type=float, default=None,
+      bounds=(0, 1e4, "a wider clip clips nothing more; 1 + eps must fit a float32 ratio"),
       help="ratio clip 1 + eps (default ppo 0.28, gspo 4e-4, cispo 4)")
     a("--sapo-tau-pos", run="resume", type=float, default=None,
+      bounds=(1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
       help="SAPO's gate temperature where A > 0 (default 1.0)")
     a("--sapo-tau-neg", run="resume", type=float, default=None,
+      bounds=(1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
       help="SAPO's gate temperature where A < 0 (default 1.05)")
     a("--lora-rank", type=int, default=0, help="R > 0: train LoRA adapters of rank R on every linear layer of the "
       "decoder (PEFT), the base frozen; vLLM samples the merged policy (docs/lora.md). 0: full fine-tuning")
-    a("--lora-alpha", type=float, default=32.0, help="LoRA's update is (alpha / R) B A (32: LoRA Without Regret's, "
-      "with which the best lr hardly moves with R)")
-    a("--kl-coef", run="resume", type=float, default=0.0, help="k3 KL to a frozen reference; 0 = no reference model")
+    a("--lora-alpha", type=float, default=32.0,
+      bounds=(1e-3, 1e4, "alpha / R scales the adapters' update, in the weights' dtype"),
+      help="LoRA's update is (alpha / R) B A (32: LoRA Without Regret's, with which the best lr hardly moves with R)")
+    a("--kl-coef", run="resume", type=float, default=0.0, bounds=(0, 1e4, "it scales float32 per-token terms"),
+      help="k3 KL to a frozen reference; 0 = no reference model")
     a("--no-std-norm", action="store_true", help="A = r - mean (Dr. GRPO): do not divide by the group std")
     a("--max-prompt-len", type=int, default=1024, help="longer prompts are dropped (counted)")
     a("--max-response-len", run="resume", type=int, default=3072)
-    a("--temperature", run="resume", type=float, default=1.0)
+    a("--temperature", run="resume", type=float, default=1.0,
+      bounds=(0.01, 100, "vLLM samples at 0.01 below it, and uniformly long before 100"))
     a("--top-p", run="resume", type=float, default=1.0)
     a("--steps", run="launch", type=int, default=500)
     a("--eval-interval", run="launch", type=int, default=25)
@@ -800,14 +807,16 @@ def arguments() -> argparse.ArgumentParser:
       "the groups kept")
     a("--overlong-buffer", type=int, default=0, help="DAPO's soft overlong penalty over the last N tokens before "
       "--max-response-len (0: off)")
-    a("--overlong-penalty", type=float, default=1.0, help="its value at --max-response-len: -alpha")
+    a("--overlong-penalty", type=float, default=1.0, help="its value at --max-response-len: -alpha",
+      bounds=(0, 1e4, "the 0/1 scores must not vanish next to it in the reward"))
     a("--rollout-correction", default="none", choices=["none", "token", "sequence"],
       help="correct vLLM-vs-trainer mismatch: truncated importance weights per token, or a per-response mask")
     a("--rollout-correction-cap", run="resume", type=float, default=2.0,
+      bounds=(1, 1e4, "a higher cap truncates nothing more; it must fit float32"),
       help="C: token weights min(ratio, C); mask [1/C, C]")
     a("--report-to", run="launch", nargs="+", default=["tensorboard"], choices=["tensorboard", "wandb"],
       help="metrics.jsonl always; TensorBoard (tb/) and/or wandb (WANDB_PROJECT, default balanced-grpo)")
-    a("--peak-tflops", run="launch", type=float, default=None,
+    a("--peak-tflops", run="launch", type=float, default=None, bounds=(0, 1e6, "TFLOP/s of one device"),
       help="CUDA: the device's peak bf16 TFLOP/s for MFU (default: table)")
     a("--output-dir", run="launch", default=None, help="default runs/<model>-<agg>")
     a("--seed", type=int, default=42)
@@ -955,7 +964,7 @@ def adapters_scaled_to_zero(policy):
             m.scaling.update(scale)
 
 
-def make_vllm(model_path: str, args, rank: int, local_rank: int, to_come: float = 0.0):
+def make_vllm(model_path: str, args, rank: int, local_rank: int, pending_states: float = 0.0):
     """This rank's colocated vLLM engine. CUDA: its share (--vllm-gpu-memory) must be free now and again when it
     wakes after the first update, by which time the trainer also holds `to_come` (Adam's moments)."""
     from transformers import AutoConfig
@@ -977,12 +986,12 @@ def make_vllm(model_path: str, args, rank: int, local_rank: int, to_come: float 
     if cuda:  # vLLM starts only if its whole share is free now (v1/worker/utils.py: request_memory), and wakes
         # after an update only if it is free again, beside Adam's moments
         free, total = torch.cuda.mem_get_info()
-        room = free - to_come
+        room = free - pending_states
         stop_all(f"rank {rank}: --vllm-gpu-memory {args.vllm_gpu_memory} asks for "
                  f"{args.vllm_gpu_memory * total / 2**30:.1f} GiB of cuda:{local_rank}, {room / 2**30:.1f} GiB stay "
-                 f"free beside the trainer's ZeRO-3 states and Adam's moments ({to_come / 2**30:.1f} GiB, made at the "
-                 f"first step): lower it to {max(room / total - 0.03, 0):.2f}, use more GPUs or optimizer offload "
-                 "(docs/gpu.md)" if room < args.vllm_gpu_memory * total else None)
+                 f"free beside the trainer's ZeRO-3 states and Adam's moments ({pending_states / 2**30:.1f} GiB, made "
+                 f"at the first step): lower it to {max(room / total - 0.03, 0):.2f}, use more GPUs or optimizer "
+                 "offload (docs/gpu.md)" if room < args.vllm_gpu_memory * total else None)
     # external_launcher: one engine per launched rank, on the device of LOCAL_RANK, inside the
     # launcher's process group (CPU and CUDA alike). vLLM's default uniprocess executor would put
     # every rank's engine on cuda:0 and move the rank's current device there.
@@ -1009,11 +1018,11 @@ def stop_all(problem: str | None) -> None:
 def build_engines(args, model_path: str, ds_config: dict, rank: int, local_rank: int):
     """The ZeRO-3 policy engine, the frozen reference engine (only with --kl-coef), the vLLM engine."""
     engine, ref_engine = build_trainer(args, model_path, ds_config)
-    to_come = 0.0
+    pending_states = 0.0
     if torch.cuda.is_available():
         longest = args.max_prompt_len + args.max_response_len
-        to_come = states_to_come(engine, trainer_memory(engine, args, longest, attention_kind(args, cuda=True)))
-    return engine, ref_engine, make_vllm(model_path, args, rank, local_rank, to_come)
+        pending_states = states_to_come(engine, trainer_memory(engine, args, longest, attention_kind(args, cuda=True)))
+    return engine, ref_engine, make_vllm(model_path, args, rank, local_rank, pending_states)
 
 
 def recorded_sizes(ckpt: Path, args, world: int) -> dict:
@@ -1027,7 +1036,7 @@ def recorded_sizes(ckpt: Path, args, world: int) -> dict:
                                                          POLICY_LOSS_DEFAULTS[args.policy_loss], OFFLINE_DEFAULTS))
 
 
-def resumed_batching(args, tokenizer, resumed: Path | None, world: int, here: dict, rank: int
+def resumed_batching(args, tokenizer, resumed: Path | None, world: int, this_device: dict, rank: int
                      ) -> tuple[argparse.Namespace, int | None]:
     """How the update cuts its micro-batches (micro_batching: what the run learns of them lives there,
     not in args), with the sizes the checkpoint resumed from recorded where they apply, and the cap on a token
@@ -1038,7 +1047,7 @@ def resumed_batching(args, tokenizer, resumed: Path | None, world: int, here: di
     except ValueError as e:
         sys.exit(f"train_grpo.py: error: {e}")
     batching = micro_batching(args, tokenizer)
-    return batching, apply_recorded_sizes(batching, args.flags_given, recorded, here, resumed, rank)
+    return batching, apply_recorded_sizes(batching, args.flags_given, recorded, this_device, resumed, rank)
 
 
 def resume(engine, llm, checkpoints: list[Path], rank: int, args) -> tuple[int, list[int], int, Path | None]:
@@ -1097,7 +1106,7 @@ def evaluate_held_out(llm, rows: list[dict], args, rank: int, world: int, step: 
     return {"eval/acc_greedy": (t[0] / t[2]).item(), f"eval/acc@{k}": (t[1] / t[3]).item()}
 
 
-@one_line_early_ends(lambda argv: parse_args(argv).output_dir)
+@ends_in_one_line(lambda argv: parse_args(argv).output_dir)
 def main(argv: list[str] | None = None) -> None:
     args, world, ds_config, checkpoints = checked_launch(argv)
     out_dir = Path(args.output_dir)
@@ -1106,21 +1115,21 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    if finished(checkpoints, args.steps, out_dir, rank):  # said without starting any engine
+    if run_complete(checkpoints, args.steps, out_dir, rank):  # said without starting any engine
         dist.destroy_process_group()  # no engine holds it: left to the interpreter's exit, gloo can abort there
         return
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     seed_rngs(args.seed + rank)
     model_path, tokenizer, train_rows, dropped, eval_rows = load_data(args, local_rank)
-    seeded = rng_state()
+    rng_before_vllm = rng_state()
     if cuda:
         stop_all(device_fit(args, model_path, ds_config, world, local_rank, attention_kind(args, cuda=True)))
     engine, ref_engine, llm = build_engines(args, model_path, ds_config, rank, local_rank)
-    set_rng_state(seeded)  # vLLM's worker reseeded Python, NumPy and torch (gpu_worker.py: set_random_seed)
+    set_rng_state(rng_before_vllm)  # vLLM's worker reseeded Python, NumPy and torch (gpu_worker.py: set_random_seed)
     start, order, bad_streak, resumed = resume(engine, llm, checkpoints, rank, args)
-    here = device_record(cuda, local_rank, args.vllm_gpu_memory)
-    batching, cap = resumed_batching(args, tokenizer, resumed, world, here, rank)
+    this_device = device_record(cuda, local_rank, args.vllm_gpu_memory)
+    batching, budget_cap = resumed_batching(args, tokenizer, resumed, world, this_device, rank)
     if rank == 0:
         print(f"[grpo] {len(train_rows)} training prompts ({dropped[0]} too long, dropped), "
               f"{len(eval_rows)} eval prompts ({dropped[1]} too long, dropped), {world} ranks, agg={args.agg}, "
@@ -1139,13 +1148,13 @@ def main(argv: list[str] | None = None) -> None:
                initial=start, total=args.steps)
     for step in bar:
         LAUNCH["step"] = step  # a rank that dies is named with it
-        timer, rstats = {}, {}
+        timer, reward_stats = {}, {}
         # 1-2. rollout and reward: this rank's share of the step's prompts, G scored responses each
-        rollouts, order, sampling = rollout_step(llm, train_rows, order, args, step, rank, world, timer, rstats,
+        rollouts, order, sampling = rollout_step(llm, train_rows, order, args, step, rank, world, timer, reward_stats,
                                                  lambda text: bar.set_postfix_str(text, refresh=True))
-        rstats["generated"] = sum(r["length"] for r in rollouts)  # this rank's, before some move to another
+        reward_stats["generated"] = sum(r["length"] for r in rollouts)  # this rank's, before some move to another
         rollouts, balance = balance_ranks(rollouts, args.group_size, args.minibatches, rank, world)
-        if cuda and (budget := memory_to_update(llm, engine, args, batching, rank, cap)) is not None:
+        if cuda and (budget := memory_to_update(llm, engine, args, batching, rank, budget_cap)) is not None:
             batching.micro_batch_tokens = budget  # --micro-batch-tokens, measured: recorded with the checkpoints
 
         # 3. advantages within each group
@@ -1157,7 +1166,7 @@ def main(argv: list[str] | None = None) -> None:
         lr = engine.get_lr()[0]  # of this step's first update
         sums = update(engine, ref_engine, rollouts, adv, args, batching, device, world, timer)
         memory = gpu_memory() if cuda else None
-        metrics = {**step_metrics(rollouts, sums, rstats, timer, args, world, model_flops, peak, memory),
+        metrics = {**step_metrics(rollouts, sums, reward_stats, timer, args, world, model_flops, peak, memory),
                    "lr": lr, **resumable_values(engine, args), **sampling, **balance}
         stop_on_nonfinite_weights(engine, step, metrics, log, close_loggers, out_dir, world, rank)
 
@@ -1173,7 +1182,7 @@ def main(argv: list[str] | None = None) -> None:
                         len=f"{metrics['length/mean']:.0f}", refresh=False)
         bad_streak = bad_streak + 1 if metrics["train/skipped_updates"] else 0
         if step % args.save_interval == 0 or step == args.steps or bad_streak >= args.max_bad_steps:
-            sizes = {**here, **{k: getattr(batching, k) for k in flags_with("size")}}
+            sizes = {**this_device, **{k: getattr(batching, k) for k in flags_with("size")}}
             save_step(engine, tokenizer, out_dir, step, order, bad_streak, args, sizes, rank, policy_weights(engine))
         stop_after_bad_steps(bad_streak, args.max_bad_steps, step)
 

@@ -219,7 +219,7 @@ def load_training_state(engine, ckpt: Path, rank: int, args) -> dict:
     return json.loads((ckpt / "trainer_state.json").read_text())
 
 
-def finished(checkpoints: list[Path], steps: int, out_dir: Path, rank: int) -> bool:
+def run_complete(checkpoints: list[Path], steps: int, out_dir: Path, rank: int) -> bool:
     """Whether the run already holds all `steps` (its newest checkpoint's step), said in one line by rank 0."""
     done = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] if checkpoints else 0
     if done >= steps and rank == 0:

@@ -160,7 +160,7 @@ def exit_without_teardown(code: int = 0) -> None:
     os._exit(code)
 
 
-# this launch's ranks, for one_line_early_ends to name one that died: each rank's (pid, host) in rank order, this
+# this launch's ranks, for ends_in_one_line to name one that died: each rank's (pid, host) in rank order, this
 # rank, the run directory that holds their files (note_ranks), and the step under way (main's loop sets it)
 LAUNCH: dict = {"ranks": [], "rank": None, "out_dir": None, "step": None}
 
@@ -179,7 +179,7 @@ ENDED = "ended\n"  # what a rank that ends on its own leaves in its file
 
 def note_ranks(out_dir: Path, rank: int) -> None:
     """Every rank's (pid, host) (a collective), and this rank's file
-    in the run directory, out_dir/.rankN.pid, which one_line_early_ends marks ENDED however the rank ends through
+    in the run directory, out_dir/.rankN.pid, which ends_in_one_line marks ENDED however the rank ends through
     it (and removes when the launch is done): a rank whose process is gone and whose file is not so marked died
     without a word (SIGKILL: the OOM killer; its file removed by hand too), and a survivor names it (dead_ranks).
     Written before the gather, so that every rank's is there after it."""
@@ -278,7 +278,7 @@ def watch_ranks(out_dir: Callable[[], Path], stop: threading.Event, period_s: fl
     return thread
 
 
-def one_line_early_ends(output_dir: Callable[[list[str] | None], str]):
+def ends_in_one_line(output_dir: Callable[[list[str] | None], str]):
     """A decorator of main(argv): Ctrl-C, SIGTERM (a scheduler's preemption) and a full disk end every rank
     at once; rank 0 says in one line why, and where the run in output_dir(argv) resumes from. So does a rank
     that died without a word (killed: the OOM killer's SIGKILL), as the survivors find it: a collective that

@@ -123,18 +123,9 @@ def check_args(args: argparse.Namespace, world: int, loss_params: dict, offline_
         if not ok:
             raise ValueError(f"{flag(k)} must be {rule} (got {getattr(args, k)})")
     # Finite in float64 is not enough: these reach float32 tensors (clamp bounds, SAPO's gate, the loss) and
-    # vLLM's sampler, where 1e39 is inf; the bounds lie far past any useful value.
-    bounds = {"clip_eps_high": (0, 1e4, "a wider clip clips nothing more; 1 + eps must fit a float32 ratio"),
-              "rollout_correction_cap": (1, 1e4, "a higher cap truncates nothing more; it must fit float32"),
-              "sapo_tau_pos": (1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
-              "sapo_tau_neg": (1e-3, 1e3, "tau and 4 / tau scale float32 ratios"),
-              "kl_coef": (0, 1e4, "it scales float32 per-token terms"),
-              "overlong_penalty": (0, 1e4, "the 0/1 scores must not vanish next to it in the reward"),
-              "temperature": (0.01, 100, "vLLM samples at 0.01 below it, and uniformly long before 100"),
-              "peak_tflops": (0, 1e6, "TFLOP/s of one device"),
-              "lora_alpha": (1e-3, 1e4, "alpha / R scales the adapters' update, in the weights' dtype")}
-    for k, (lo, hi, why) in bounds.items():
-        v = getattr(args, k)
+    # vLLM's sampler, where 1e39 is inf; each flag's bounds, declared beside it, lie far past any useful value.
+    for k, (lo, hi, why) in _BOUNDS.items():
+        v = getattr(args, k, None)
         if v is not None and not lo <= v <= hi:
             raise ValueError(f"{flag(k)} must be in [{lo:g}, {hi:g}] (got {v:g}): {why}")
     if "lora_alpha" in getattr(args, "flags_given", ()) and not args.lora_rank:
@@ -223,21 +214,25 @@ FLAG_ROLES = ("resume", "launch", "device", "size")
 NOT_FLAGS = {"flags_given", "pad_id"}  # what parse_args and the launch add to the arguments: no part of a run
 
 
-SAME_BEFORE = object()  # no before-value: runs made before the flag were trained as its default says
+NO_BEFORE_VALUE = object()  # no before-value: runs made before the flag were trained as its default says
 
 
 _DECLARED: dict[str, tuple[frozenset[str], object]] = {}  # dest -> (roles, before), as the parser is built
+_BOUNDS: dict[str, tuple[float, float, str]] = {}  # dest -> (lo, hi, why): the closed range a float flag must be in
 
 
-def declare(action: argparse.Action, run: list[str] | tuple[str, ...] = (), before=SAME_BEFORE) -> None:
+def declare(action: argparse.Action, run: list[str] | tuple[str, ...] = (), before=NO_BEFORE_VALUE,
+            bounds: tuple[float, float, str] | None = None) -> None:
     """Record what the flag `action` is to a run (FLAG_ROLES); train_grpo.arguments calls it for every flag as it
     builds the parser, so the roles are known from the first parse (or a tool's call of arguments()) on."""
     if unknown := sorted(set(run) - set(FLAG_ROLES)):
         raise ValueError(f"{action.option_strings[0]}: run={unknown} is not one of {', '.join(FLAG_ROLES)}")
     _DECLARED[action.dest] = (frozenset(run), before)
+    if bounds is not None:
+        _BOUNDS[action.dest] = bounds
 
 
-def declared() -> dict[str, tuple[frozenset[str], object]]:
+def flag_roles() -> dict[str, tuple[frozenset[str], object]]:
     """Every flag's roles and before-value, as the trainer's parser declares them."""
     if not _DECLARED:
         raise RuntimeError("no flag is declared yet: build the trainer's parser (train_grpo.arguments()) first")
@@ -245,11 +240,11 @@ def declared() -> dict[str, tuple[frozenset[str], object]]:
 
 
 def flags_with(role: str) -> set[str]:
-    return {k for k, (roles, _) in declared().items() if role in roles}
+    return {k for k, (roles, _) in flag_roles().items() if role in roles}
 
 
 def before_flag() -> dict:
-    return {k: before for k, (_, before) in declared().items() if before is not SAME_BEFORE}
+    return {k: before for k, (_, before) in flag_roles().items() if before is not NO_BEFORE_VALUE}
 
 
 def not_identity() -> set[str]:

@@ -216,7 +216,7 @@ def device_fit_problem(model: dict[str, float], total: int, device_name: str, vl
             + (" or ".join(ways) or "it does not fit this device") + " (docs/gpu.md)")
 
 
-def memory_to_update(llm, engine, args, batching, rank: int, cap: int | None = None) -> int | None:
+def memory_to_update(llm, engine, args, batching, rank: int, budget_cap: int | None = None) -> int | None:
     """CUDA, after the rollout: vLLM sleeps at level 2 (weights discarded, not copied to host: the sync
     reloads them; its KV cache freed); returns the micro-batches' token budget that the memory free then
     gives, where the run has none yet (its first step; a resumed run keeps the budget its first launch
@@ -230,11 +230,11 @@ def memory_to_update(llm, engine, args, batching, rank: int, cap: int | None = N
         print(f"[grpo] micro-batches of up to {budget} tokens (--micro-batch-tokens; "
               f"{model['per_token'] / 2**20:.2f} MiB a token, {model['fixed'] / 2**30:.1f} GiB fixed: "
               "memory_model)", flush=True)
-    if cap and cap < budget:
+    if budget_cap and budget_cap < budget:
         if rank == 0:
-            print(f"[grpo] micro-batches of up to {cap} tokens, as the run recorded them: not the {budget} "
+            print(f"[grpo] micro-batches of up to {budget_cap} tokens, as the run recorded them: not the {budget} "
                   "measured here", flush=True)
-        return cap
+        return budget_cap
     return budget
 
 

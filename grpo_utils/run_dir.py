@@ -263,7 +263,7 @@ def checked_sizes(sizes, where: Path, parse: Callable[[list[str]], argparse.Name
     return sizes
 
 
-def resumed_sizes(recorded: dict, here: dict, flags_given) -> tuple[dict, int | None]:
+def resumed_sizes(recorded: dict, this_device: dict, flags_given) -> tuple[dict, int | None]:
     """(the recorded sizes a resume applies, a cap on the token budget it measures anew) from a checkpoint's "sizes"
     (`recorded`, checked_sizes'; {} for none) and this launch's device_record (`here`). On the same device, vLLM
     holding the same share, and with no size flag given: the recorded sizes, so that a resumed --deterministic run
@@ -272,25 +272,26 @@ def resumed_sizes(recorded: dict, here: dict, flags_given) -> tuple[dict, int | 
     and a larger one measured here is not taken over the record."""
     size_flags = flags_with("size")
     sizes = {k: v for k, v in recorded.items() if k in size_flags}
-    same = all(recorded.get(k) == here.get(k) for k in SIZE_DEVICE_KEYS)
+    same = all(recorded.get(k) == this_device.get(k) for k in SIZE_DEVICE_KEYS)
     if not recorded or (same and not size_flags & set(flags_given)):
         return sizes, None
     tokens = recorded.get("micro_batch_tokens")
-    return {}, tokens if here.get("device") == "cuda" and isinstance(tokens, int) and tokens > 0 else None
+    return {}, tokens if this_device.get("device") == "cuda" and isinstance(tokens, int) and tokens > 0 else None
 
 
-def apply_recorded_sizes(batching: argparse.Namespace, flags_given: list[str], recorded: dict, here: dict,
+def apply_recorded_sizes(batching: argparse.Namespace, flags_given: list[str], recorded: dict, this_device: dict,
                          checkpoint: Path | None, rank: int) -> int | None:
     """The micro-batch sizes `checkpoint` recorded, set in `batching` (micro_batching) where resumed_sizes reuses
     them (the run's own budget, not measured anew: --deterministic cuts the same micro-batches), said in one line;
     returns the cap on a budget measured anew (recorded on another device)."""
-    sizes, cap = resumed_sizes(recorded, here, flags_given)
+    sizes, budget_cap = resumed_sizes(recorded, this_device, flags_given)
     vars(batching).update(sizes)
     if rank == 0 and sizes:
         print("[grpo] micro-batches as the run recorded them: " + ", ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in sorted(sizes.items())), flush=True)
     elif rank == 0 and recorded and not flags_with("size") & set(flags_given):  # recorded on another device
         print(f"[grpo] {checkpoint.name} cut its micro-batches on {device_words(recorded)}, this launch runs on "
-              f"{device_words(here)}: " + (f"the token budget is measured anew at the first update, at most the "
-                                           f"recorded {cap} tokens" if cap else "sizes of its own"), flush=True)
-    return cap
+              f"{device_words(this_device)}: " + (f"the token budget is measured anew at the first update, at most "
+                                                  f"the recorded {budget_cap} tokens" if budget_cap else
+                                                  "sizes of its own"), flush=True)
+    return budget_cap

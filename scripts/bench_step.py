@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-import train_grpo as T
+import train_grpo
 from data import loading
 from grpo_utils import batching, distributed
 from grpo_utils.common import is_hub_id
@@ -103,7 +103,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--peer-steps", type=int, default=6, help="TRL steps timed (the first warms up)")
     p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--logprob-chunk", type=int, default=T.parse_args([]).logprob_chunk, help="the trainer's default")
+    p.add_argument("--logprob-chunk", type=int, default=train_grpo.parse_args([]).logprob_chunk,
+                   help="the trainer's default")
     p.add_argument("--update-only", action="store_true", help="the ZeRO-3 update alone on a --shape (no vLLM)")
     p.add_argument("--lora-rank", type=int, default=0, help="--update-only: LoRA adapters of this rank, as the "
                    "trainer's --lora-rank (alpha 32), the base frozen; 0: full fine-tuning")
@@ -128,7 +129,7 @@ def parse_args() -> argparse.Namespace:
     if args.update_only:  # the trainer's defaults outside the offline tasks, for this device
         given = [x for k in sizes if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}",
                                                                           str(getattr(args, k)))]
-        trainer = T.parse_args(["--model", "Qwen/Qwen2.5-Math-7B", *given])
+        trainer = train_grpo.parse_args(["--model", "Qwen/Qwen2.5-Math-7B", *given])
         for k in sizes:
             setattr(args, k, getattr(trainer, k))
     else:
@@ -144,7 +145,7 @@ def parse_args() -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     # the trainer's flags that its functions read: its defaults (a flag a fork adds too), then the benchmark's
-    for key, value in vars(T.parse_args([])).items():
+    for key, value in vars(train_grpo.parse_args([])).items():
         if not hasattr(args, key):
             setattr(args, key, value)
     args.agg, args.no_std_norm = "balanced", False  # the step measured: the paper's rule
@@ -260,7 +261,7 @@ def memory_probe(path: str, chunk: int) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     if path == "chunked":
-        logp = T.chunked_logprobs(lm_head, h, targets, 1.0, chunk)
+        logp = train_grpo.chunked_logprobs(lm_head, h, targets, 1.0, chunk)
     else:
         logp = torch.log_softmax(lm_head(h).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
     logp.sum().backward()
@@ -402,7 +403,7 @@ def gather_volume(chunks: list[int], world: int) -> dict:
         resp = torch.zeros_like(ids, dtype=torch.bool)
         resp[:, 10:] = True  # 4 x 250 = 1000 response tokens
         with count_gathers() as gathered:
-            logp = T.token_logprobs(engine, ids, resp, {"attention_mask": torch.ones_like(ids)}, 1.0, chunk)
+            logp = train_grpo.token_logprobs(engine, ids, resp, {"attention_mask": torch.ones_like(ids)}, 1.0, chunk)
             engine.backward(logp.sum(), scale_wrt_gas=False)
         out[chunk] = {"gathered_x_params": gathered[0] / params, "lm_head_share": lm_head / params}
         engine.optimizer.zero_grad()
@@ -439,9 +440,9 @@ def time_sync(args, model_dir: Path, rank: int, local_rank: int, world: int) -> 
                                                  else torch.float32)
     params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitions at load
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=T.deepspeed_config(args, world))
-    llm = T.make_vllm(str(model_dir), args, rank, local_rank)
-    secs = best_of(args.repeats, lambda: T.sync_weights_to_vllm(engine, llm))
+                                      config=train_grpo.deepspeed_config(args, world))
+    llm = train_grpo.make_vllm(str(model_dir), args, rank, local_rank)
+    secs = best_of(args.repeats, lambda: train_grpo.sync_weights_to_vllm(engine, llm))
     # Kept alive on purpose: a collected vLLM engine tears down torch.distributed's default group.
     _KEEP.append((engine, llm))
     return {"hidden": model.config.hidden_size, "params_m": params / 1e6, "sync_s": secs}
@@ -517,7 +518,7 @@ def update_benchmark(args) -> None:
             sys.exit(1)
     n = args.update_responses
     ds_args = argparse.Namespace(**{**vars(args), "prompts_per_step": n * world, "group_size": 1, "minibatches": 1})
-    cfg = T.deepspeed_config(ds_args, world)
+    cfg = train_grpo.deepspeed_config(ds_args, world)
     if args.force_release:
         cfg["zero_optimization"].update(RELEASE)
     dschf = HfDeepSpeedConfig(cfg)  # noqa: F841  (from_config builds the model partitioned, under zero.Init)
@@ -526,7 +527,7 @@ def update_benchmark(args) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32,
                                              attn_implementation=batching.attention_implementation(args))
     if args.lora_rank:  # as the trainer's build_trainer: adapters, then checkpointing
-        model = T.with_adapters(model, args.lora_rank, 32.0)
+        model = train_grpo.with_adapters(model, args.lora_rank, 32.0)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.disable_input_require_grads()
@@ -537,8 +538,9 @@ def update_benchmark(args) -> None:
     lens = [len(r["tokens"]) for r in rollouts]
     args.pad_id = 0
     adv = torch.tensor([r["advantage"] for r in rollouts], dtype=torch.float64)
-    w = T.aggregation_weights(adv, torch.tensor([r["length"] for r in rollouts]), 8, args.agg)  # synthetic groups of 8
-    model_flops, peak = T.model_flops_fn(engine, args.peak_tflops)
+    lengths = torch.tensor([r["length"] for r in rollouts])
+    w = train_grpo.aggregation_weights(adv, lengths, 8, args.agg)  # synthetic groups of 8
+    model_flops, peak = train_grpo.model_flops_fn(engine, args.peak_tflops)
     peak = peak or (args.peak_tflops * 1e12 if args.peak_tflops else None)
     flops = model_flops(lens)
     budget_given = args.micro_batch_tokens
@@ -558,13 +560,13 @@ def update_benchmark(args) -> None:
     modes = {}
     for mode in ("packed", "padded"):  # the same engine, responses and budget rule; only the rows differ
         args.padded = mode == "padded"
-        memory = T.trainer_memory(engine, args, max(lens), batching.attention_kind(args, cuda))
+        memory = train_grpo.trainer_memory(engine, args, max(lens), batching.attention_kind(args, cuda))
         held = torch.cuda.memory_allocated() if cuda else 0  # the ZeRO-3 states held now
-        to_come = T.states_to_come(engine, memory)  # Adam's moments, before the first step (the first mode's)
+        to_come = train_grpo.states_to_come(engine, memory)  # Adam's moments, before the first step (the first mode's)
         if budget_given is None:  # CUDA: as the trainer sizes it at its first update
             args.micro_batch_tokens = token_budget(memory, torch.cuda.mem_get_info()[0], max(lens), to_come)
-        parts = T.rank_micro_batches(rollouts, args.micro_batch_size, args.micro_batch_tokens, not args.padded)
-        t_update = timed(lambda: T.update_minibatch(engine, rollouts, w, args, args, device))
+        parts = train_grpo.rank_micro_batches(rollouts, args.micro_batch_size, args.micro_batch_tokens, not args.padded)
+        t_update = timed(lambda: train_grpo.update_minibatch(engine, rollouts, w, args, args, device))
         largest = max(sum(lens[i] for i in b) if not args.padded else len(b) * lens[b[-1]] for b in parts)
         tot = distributed.all_reduce([sum(lens) / t_update, flops / t_update])
         slowest = distributed.all_reduce([t_update, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
@@ -584,11 +586,11 @@ def update_benchmark(args) -> None:
     forward = {}
     for batch in dict.fromkeys([args.micro_batch_size, args.logprob_batch_size]):
         fwd_args = argparse.Namespace(**{**vars(args), "logprob_batch_size": batch})
-        fill = lambda a=fwd_args: T.fill_logprobs(engine, rollouts, "old_logp", a, a, device)  # noqa: E731
+        fill = lambda a=fwd_args: train_grpo.fill_logprobs(engine, rollouts, "old_logp", a, a, device)  # noqa: E731
         seconds = timed(fill)
         with count_gathers() as gathered:
             fill()
-        passes = len(T.rank_micro_batches(rollouts, batch, args.micro_batch_tokens, True))
+        passes = len(train_grpo.rank_micro_batches(rollouts, batch, args.micro_batch_tokens, True))
         forward[batch or "budget"] = {"seconds": distributed.all_reduce([seconds]).item() / world, "passes": passes,
                                       "gathered_x_params": gathered[0] / n_params}
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "world": world, "shape": args.shape,
@@ -667,23 +669,23 @@ def main() -> None:
     args.prompts_per_step = args.prompts_per_rank * world
     rows_all, _ = loading.load_prompts(args.dataset, tok, args)
     rows = rows_all[rank * args.prompts_per_rank : (rank + 1) * args.prompts_per_rank]
-    cfg = T.deepspeed_config(args, world)
+    cfg = train_grpo.deepspeed_config(args, world)
     dschf = HfDeepSpeedConfig(cfg)  # noqa: F841
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.bfloat16 if cuda else torch.float32)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    llm = T.make_vllm(args.model_path, args, rank, local_rank)
+    llm = train_grpo.make_vllm(args.model_path, args, rank, local_rank)
     results = {"world": world, "device": "cuda" if cuda else "cpu", "model": args.model}
 
     # rollout: identical prompts and sampling parameters; first call of each warms up
     # the trainer's sampling parameters, with the sampled tokens' log-probs (T.rollout)
-    params = T.sampling_params(args.group_size, 1.0, 1.0, args.max_response_len, 0, 1,
-                               range(rank * len(rows), (rank + 1) * len(rows)), logprobs=0)
+    params = train_grpo.sampling_params(args.group_size, 1.0, 1.0, args.max_response_len, 0, 1,
+                                        range(rank * len(rows), (rank + 1) * len(rows)), logprobs=0)
     bare_prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows]
     outputs = None
 
     def trainer_rollout():
         nonlocal outputs
-        outputs = T.generate(llm, rows, params)
+        outputs = train_grpo.generate(llm, rows, params)
 
     trainer_rollout()
     llm.generate(bare_prompts, params, use_tqdm=False)
@@ -692,27 +694,27 @@ def main() -> None:
     results["rollout"] = {"trainer_s": t_trainer, "bare_s": t_bare, "ratio": t_trainer / t_bare}
 
     # reward, then update on these rollouts
-    rollouts = T.to_rollouts(rows, outputs)
+    rollouts = train_grpo.to_rollouts(rows, outputs)
     n = args.reward_workers  # every worker up, math-verify imported: one-offs, not a step's cost
     compute_rewards(["\\boxed{1/2}"] * n, ["0.5"] * n, ["math"] * n, n)
     t0 = time.perf_counter()
     scores = compute_rewards([r["text"] for r in rollouts], [reference(r["row"]) for r in rollouts],
                              [r["row"]["kind"] for r in rollouts], args.reward_workers)
     t_reward = time.perf_counter() - t0
-    adv = T.advantages(torch.tensor(scores, dtype=torch.float64), args)
+    adv = train_grpo.advantages(torch.tensor(scores, dtype=torch.float64), args)
     adv = adv + 1e-3 * torch.randn(adv.shape, dtype=torch.float64)  # a gradient even if all groups agree
     for r, a in zip(rollouts, adv.tolist()):
         r["advantage"] = a
     lengths = torch.tensor([r["length"] for r in rollouts])
-    w = T.aggregation_weights(adv, lengths, args.group_size, args.agg, max_len=args.max_response_len)
+    w = train_grpo.aggregation_weights(adv, lengths, args.group_size, args.agg, max_len=args.max_response_len)
     engine.train()
-    T.update_minibatch(engine, rollouts, w, args, args, device)  # warm-up: optimizer state, traces
+    train_grpo.update_minibatch(engine, rollouts, w, args, args, device)  # warm-up: optimizer state, traces
     bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device)
     t_update, t_bare_update = best_of_pair(
-        args.repeats, lambda: T.update_minibatch(engine, rollouts, w, args, args, device),
+        args.repeats, lambda: train_grpo.update_minibatch(engine, rollouts, w, args, args, device),
         lambda: bare_update(engine, rollouts, args.micro_batch_size, args.pad_id, device))
     # the trainer's perf/ metrics: model FLOPs (6 N per token + attention), MFU on CUDA
-    model_flops, peak = T.model_flops_fn(engine, args.peak_tflops)
+    model_flops, peak = train_grpo.model_flops_fn(engine, args.peak_tflops)
     flops = model_flops([len(r["tokens"]) for r in rollouts])
     n_tokens = sum(len(r["tokens"]) for r in rollouts)
     results["update"] = {"trainer_s": t_update, "bare_s": t_bare_update, "ratio": t_update / t_bare_update,
@@ -722,7 +724,7 @@ def main() -> None:
                          "train_tokens_per_s": n_tokens / t_update,
                          "gen_tokens_per_s": sum(r["length"] for r in rollouts) / t_trainer}
 
-    t_sync = best_of(args.repeats, lambda: T.sync_weights_to_vllm(engine, llm))
+    t_sync = best_of(args.repeats, lambda: train_grpo.sync_weights_to_vllm(engine, llm))
     step = t_trainer + t_reward + t_update + t_sync
     results["sync"] = {"sync_s": t_sync, "step_s": step, "share": t_sync / step}
     results["gather"] = gather_volume([64, 256, 1024], world)
@@ -807,4 +809,4 @@ def code_reward_rates(workers: int) -> dict[str, float]:
 
 if __name__ == "__main__":
     main()
-    T.exit_without_teardown()  # every file is written and every rank past its last barrier (gloo can abort at exit)
+    distributed.exit_without_teardown()  # every file is written and every rank past its last barrier (gloo can abort)

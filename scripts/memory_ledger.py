@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import train_grpo as T  # noqa: E402
+import train_grpo  # noqa: E402
 from grpo_utils import batching, checkpoints, distributed  # noqa: E402
 from grpo_utils.memory import memory_model, micro_batch_bytes, resident_bytes  # noqa: E402
 from scripts.bench_step import check_lora_rank, check_out, synthetic_rollouts  # noqa: E402
@@ -197,7 +197,7 @@ def random_model(shape: str, out: Path, max_len: int) -> None:
 
 def build(ledger: Ledger, args, work: Path, ds_config: dict) -> object:
     ledger.phase = "build"
-    engine, _ = T.build_trainer(args, str(work / "model"), ds_config)
+    engine, _ = train_grpo.build_trainer(args, str(work / "model"), ds_config)
     refile_states(ledger, engine)
     return engine
 
@@ -206,7 +206,7 @@ def run_step(ledger: Ledger, engine, args, rollouts: list[dict], adv: torch.Tens
     """train_grpo.update, its phases named: the old log-probs, the micro-batches' forward and backward, the
     optimizer step (ZeRO-3's at the accumulation boundary, whose gradient norm, clipping and AdamW follow). The
     tokens of the first mini-batch's largest micro-batch."""
-    fill, step = T.fill_logprobs, engine.step
+    fill, step = train_grpo.fill_logprobs, engine.step
 
     def fill_logprobs(*a, **k):
         ledger.phase = f"{name}: log-probs"
@@ -219,13 +219,13 @@ def run_step(ledger: Ledger, engine, args, rollouts: list[dict], adv: torch.Tens
         refile_states(ledger, engine)  # Adam's moments, from the first step on
         ledger.phase = f"{name}: micro-batches"
 
-    T.fill_logprobs, engine.step = fill_logprobs, engine_step
-    parts = T.rank_micro_batches(rollouts[: len(rollouts) // args.minibatches], args.micro_batch_size,
-                                 args.micro_batch_tokens, True)
+    train_grpo.fill_logprobs, engine.step = fill_logprobs, engine_step
+    parts = train_grpo.rank_micro_batches(rollouts[: len(rollouts) // args.minibatches], args.micro_batch_size,
+                                          args.micro_batch_tokens, True)
     try:
-        T.update(engine, None, rollouts, adv, args, batching.micro_batching(args), torch.device("cpu"), 1, {})
+        train_grpo.update(engine, None, rollouts, adv, args, batching.micro_batching(args), torch.device("cpu"), 1, {})
     finally:
-        T.fill_logprobs = fill
+        train_grpo.fill_logprobs = fill
         del engine.step
     refile_states(ledger, engine)
     return max(sum(len(rollouts[i]["tokens"]) for i in b) for b in parts)
@@ -236,7 +236,7 @@ def step_rollouts(args, step: int, prompt_len: int, response_len: int) -> tuple[
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     rollouts = synthetic_rollouts(n, prompt_len, response_len, vocab, seed=step)
     rewards = torch.tensor([float((7 * i + step) % 3 == 0) for i in range(n)], dtype=torch.float64)
-    adv = T.group_advantages(rewards, args.group_size)
+    adv = train_grpo.group_advantages(rewards, args.group_size)
     for r, a in zip(rollouts, adv.tolist()):
         r["advantage"] = a
     return rollouts, adv
@@ -253,13 +253,13 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
     longest = a.prompt_len + a.response_len
     if not resume:
         random_model(a.shape, work / "model", longest)
-    args = T.parse_args(["--model", str(work / "model"), "--output-dir", str(work / "run"), "--group-size", "4",
-                         "--prompts-per-step", str(a.prompts), "--minibatches", "2",
-                         "--logprob-chunk", str(a.logprob_chunk), "--gradient-checkpointing", "--lr", "1e-5",
-                         "--lr-warmup-steps", "0", "--micro-batch-tokens", str(a.micro_batch_tokens),
-                         "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len),
-                         "--lora-rank", str(a.lora_rank)])
-    ds_config = T.deepspeed_config(args, 1, bf16=True)
+    args = train_grpo.parse_args(["--model", str(work / "model"), "--output-dir", str(work / "run"),
+                                  "--group-size", "4", "--prompts-per-step", str(a.prompts), "--minibatches", "2",
+                                  "--logprob-chunk", str(a.logprob_chunk), "--gradient-checkpointing", "--lr", "1e-5",
+                                  "--lr-warmup-steps", "0", "--micro-batch-tokens", str(a.micro_batch_tokens),
+                                  "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len),
+                                  "--lora-rank", str(a.lora_rank)])
+    ds_config = train_grpo.deepspeed_config(args, 1, bf16=True)
     if a.reduce_bucket is not None:
         ds_config["zero_optimization"]["reduce_bucket_size"] = a.reduce_bucket
     ledger, resident, tokens = Ledger(), {}, {}
@@ -268,7 +268,7 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
         resident["built"] = ledger.snapshot()
         if resume:
             ledger.phase = "resume: load"
-            T.load_training_state(engine, work / "run" / "checkpoints" / "step_000001", rank, args)
+            train_grpo.load_training_state(engine, work / "run" / "checkpoints" / "step_000001", rank, args)
             refile_states(ledger, engine)
             resident["resumed"] = ledger.snapshot()
         for step in (2,) if resume else (1, 2):
@@ -280,10 +280,10 @@ def measure(a: argparse.Namespace, work: Path, resume: bool) -> dict:
                 ledger.phase = "save"
                 checkpoints.save_checkpoint(engine, AutoTokenizer.from_pretrained(model_dir("demo")),
                                          work / "run" / "checkpoints", 1, {"step": 1, "order": [], "bad_streak": 0},
-                                         rank, keep_last=2, weights=T.policy_weights(engine))
+                                         rank, keep_last=2, weights=train_grpo.policy_weights(engine))
         if not resume:  # a reload in the same process, Adam's moments already made (the GPU check's redo)
             ledger.phase = "reload: load"
-            T.load_training_state(engine, work / "run" / "checkpoints" / "step_000001", rank, args)
+            train_grpo.load_training_state(engine, work / "run" / "checkpoints" / "step_000001", rank, args)
             refile_states(ledger, engine)
             resident["reloaded"] = ledger.snapshot()
     config = engine.module.config
@@ -370,4 +370,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
-    T.exit_without_teardown()
+    train_grpo.exit_without_teardown()

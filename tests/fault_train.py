@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train_grpo as T  # noqa: E402
+import train_grpo  # noqa: E402
 from grpo_utils import checkpoints, distributed  # noqa: E402
 
 NAN_STEP = int(os.environ.get("GRPO_FAULT_NAN_STEP", "-1"))
@@ -90,14 +90,14 @@ def sync_weights_to_vllm(engine, llm):
     llm.apply_model(functools.partial(_scale_final_norm, scale=SCALE))
 
 
-real_rollout, real_advantages, real_save, real_sync = T.rollout, T.advantages, checkpoints.save_checkpoint, \
-    T.sync_weights_to_vllm
-real_update = T.update_minibatch
-T.rollout, T.advantages, T.update_minibatch = rollout, advantages, update_minibatch
+real_rollout, real_advantages = train_grpo.rollout, train_grpo.advantages
+real_save, real_sync = checkpoints.save_checkpoint, train_grpo.sync_weights_to_vllm
+real_update = train_grpo.update_minibatch
+train_grpo.rollout, train_grpo.advantages, train_grpo.update_minibatch = rollout, advantages, update_minibatch
 checkpoints.save_checkpoint = save_checkpoint  # what the trainer's save_step calls
 if SCALE != 1:
-    T.sync_weights_to_vllm = sync_weights_to_vllm
+    train_grpo.sync_weights_to_vllm = sync_weights_to_vllm
 
 if __name__ == "__main__":
-    T.main()
-    T.exit_without_teardown()
+    train_grpo.main()
+    train_grpo.exit_without_teardown()

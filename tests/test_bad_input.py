@@ -20,7 +20,7 @@ import grpo_utils.flags
 import train_grpo
 from grpo_utils import engines, run_dir
 from grpo_utils.checkpoints import checkpoint_dirs, resume_point
-from grpo_utils.flags import before_flag, declare, declared, flags_with, not_identity, run_identity
+from grpo_utils.flags import before_flag, declare, flag_roles, flags_with, not_identity, run_identity
 
 
 def run(script: str, *args: str, env=None, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -147,6 +147,23 @@ def test_every_float_flag_must_be_finite():
         for value in ("nan", "inf", "-inf"):
             with pytest.raises(ValueError, match=re.escape(f"{flag} must be a finite number")):
                 check_args(train_grpo.parse_args([f"{flag}={value}"]), world=1)
+
+
+def test_a_float_flags_bounds_are_declared_beside_it(monkeypatch):
+    # a fork's float flag with bounds=(...) in its a(...) line is checked against them, with nothing else edited
+    build = train_grpo.arguments
+    for table in ("_DECLARED", "_BOUNDS"):
+        monkeypatch.setattr(grpo_utils.flags, table, dict(getattr(grpo_utils.flags, table)))
+
+    def arguments():
+        p = build()
+        declare(p.add_argument("--fork-scale", type=float, default=1.0), ["resume"], bounds=(0, 10, "a fork's range"))
+        return p
+
+    monkeypatch.setattr(train_grpo, "arguments", arguments)
+    with pytest.raises(ValueError, match=re.escape("--fork-scale must be in [0, 10] (got 11): a fork's range")):
+        check_args(train_grpo.parse_args(["--fork-scale", "11"]), world=1)
+    check_args(train_grpo.parse_args(["--fork-scale", "10"]), world=1)
 
 
 def test_every_float_flag_is_bounded_where_float32_ends():
@@ -442,7 +459,7 @@ def test_every_flag_says_what_it_is_to_a_run():
     # size is never the run's identity (the gradient is the same for any: tests/test_invariance.py)
     parser = train_grpo.arguments()
     dests = {action.dest for action in parser._actions} - {"help"}
-    assert dests == set(declared())
+    assert dests == set(flag_roles())
     assert flags_with("device") <= flags_with("resume")
     assert flags_with("size") <= flags_with("resume") | flags_with("launch")
     assert before_flag() == {"code_reward": "fraction"}

@@ -293,7 +293,7 @@ def test_a_rank_gone_with_its_file_unmarked_died_and_one_that_marked_it_ended(tm
     monkeypatch.setattr(distributed, "LAUNCH", {"ranks": ranks, "rank": 0, "out_dir": tmp_path, "step": 3})
     for r in range(5):
         distributed.rank_file(tmp_path, r).write_text(f"pid {ranks[r][0]} on {ranks[r][1]}\n")
-    distributed.rank_file(tmp_path, 2).write_text(distributed.ENDED)  # as one_line_early_ends marks it, however it ends
+    distributed.rank_file(tmp_path, 2).write_text(distributed.ENDED)  # as ends_in_one_line marks it, however it ends
     distributed.rank_file(tmp_path, 4).unlink()  # removed by hand: its death is still a death without a word
     assert distributed.dead_ranks() == ([], [2])
     for p in (killed, unfiled):

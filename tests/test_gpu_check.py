@@ -154,7 +154,7 @@ def test_attention_calls_count_the_path_packed_attention_took(demo_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    import train_grpo as T
+    import train_grpo
 
     packed = argparse.Namespace(padded=False, deterministic=False)
     model = AutoModelForCausalLM.from_pretrained(demo_dir / "model", dtype=torch.float32,
@@ -169,7 +169,7 @@ def test_attention_calls_count_the_path_packed_attention_took(demo_dir):
         torch.use_deterministic_algorithms(deterministic)
         try:
             with torch.no_grad():
-                T.token_logprobs(model, ids, resp, inputs, 1.0, 4)
+                train_grpo.token_logprobs(model, ids, resp, inputs, 1.0, 4)
         finally:
             torch.use_deterministic_algorithms(was)
         return dict(batching.ATTENTION_CALLS)
@@ -522,16 +522,16 @@ def device_fit(monkeypatch, tmp_path, shape: str, device: tuple[str, int], world
     import torch
     from transformers import Qwen2Config
 
-    import train_grpo as T
+    import train_grpo
     from scripts.bench_step import SHAPES
 
     model = tmp_path / shape
     Qwen2Config(**SHAPES[shape]).save_pretrained(model)
     name, total = device
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(name=name, total_memory=total))
-    args = T.parse_args(["--model", str(model), "--max-prompt-len", "1024", "--max-response-len", "3072",
-                         "--logprob-chunk", "1024", *flags])
-    config = ds_config if ds_config is not None else T.deepspeed_config(args, world, bf16=True)
+    args = train_grpo.parse_args(["--model", str(model), "--max-prompt-len", "1024", "--max-response-len", "3072",
+                                  "--logprob-chunk", "1024", *flags])
+    config = ds_config if ds_config is not None else train_grpo.deepspeed_config(args, world, bf16=True)
     return memory.device_fit(args, str(model), config, world, 0, batching.attention_kind(args, cuda=True))
 
 
@@ -545,10 +545,10 @@ def test_a_configuration_that_cannot_fit_its_devices_is_refused_before_any_engin
     assert "use at least 4 GPUs or offload the optimizer" in line and "--vllm-gpu-memory to" not in line
     assert "NVIDIA H200" in line and "(docs/gpu.md)" in line
     # with the optimizer offloaded it keeps 2 B a parameter on the device and fits
-    import train_grpo as T
+    import train_grpo
 
-    args = T.parse_args(["--model", "demo"])
-    offload = T.deepspeed_config(args, 1, bf16=True)
+    args = train_grpo.parse_args(["--model", "demo"])
+    offload = train_grpo.deepspeed_config(args, 1, bf16=True)
     offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     assert device_fit(monkeypatch, tmp_path, "qwen2.5-7b", H200, 1, ds_config=offload) is None
     # 3B on one H200 at the default share: vLLM's 98 GiB do not fit beside 52 GiB of states; a smaller share does
@@ -570,7 +570,7 @@ def test_a_configuration_that_cannot_fit_its_devices_is_refused_before_any_engin
     line = device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1, "--vllm-gpu-memory", "0.64", "--kl-coef", "0.01")
     assert "(20 B a parameter over the ranks: " in line and "the KL reference's bf16 weights 2" in line
     # settings DeepSpeed takes as strings ("auto") fall back to its defaults rather than end in a traceback
-    config = T.deepspeed_config(args, 1, bf16=True)
+    config = train_grpo.deepspeed_config(args, 1, bf16=True)
     config["zero_optimization"].update(stage3_max_live_parameters="auto", reduce_bucket_size="auto")
     assert device_fit(monkeypatch, tmp_path, "qwen2.5-1.5b", H100, 1, "--vllm-gpu-memory", "0.5",
                       ds_config=config) is None

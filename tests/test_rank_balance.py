@@ -55,18 +55,18 @@ def test_no_log_prob_pass_runs_where_nothing_learns(monkeypatch):
 
     import torch
 
-    import train_grpo as T
+    import train_grpo
     from scripts.bench_step import synthetic_rollouts
 
-    args = T.parse_args(["--model", "demo", "--minibatches", "2", "--group-size", "4"])
+    args = train_grpo.parse_args(["--model", "demo", "--minibatches", "2", "--group-size", "4"])
     calls = []
-    monkeypatch.setattr(T, "fill_logprobs", lambda engine, rollouts, key, *a: calls.append(key))
-    monkeypatch.setattr(T, "all_reduce", lambda values, op="sum": torch.as_tensor(values, dtype=torch.float64))
-    monkeypatch.setattr(T, "update_minibatch", lambda *a: calls.append("update") or {"skipped": 0})
+    monkeypatch.setattr(train_grpo, "fill_logprobs", lambda engine, rollouts, key, *a: calls.append(key))
+    monkeypatch.setattr(train_grpo, "all_reduce", lambda values, op="sum": torch.as_tensor(values, dtype=torch.float64))
+    monkeypatch.setattr(train_grpo, "update_minibatch", lambda *a: calls.append("update") or {"skipped": 0})
     engine = SimpleNamespace(train=lambda: None)
     rollouts = synthetic_rollouts(8, 4, 8, 100, seed=0)
     for adv, expected in ((torch.zeros(8, dtype=torch.float64), []),
                           (torch.tensor([1.0, -1.0] * 4, dtype=torch.float64), ["old_logp", "update", "update"])):
         calls.clear()
-        T.update(engine, None, rollouts, adv, args, micro_batching(args), torch.device("cpu"), 1, {})
+        train_grpo.update(engine, None, rollouts, adv, args, micro_batching(args), torch.device("cpu"), 1, {})
         assert calls == expected

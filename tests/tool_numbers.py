@@ -14,7 +14,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-import train_grpo as T  # noqa: E402
+import train_grpo  # noqa: E402
 from data.demo import model_dir  # noqa: E402
 from scripts import bench_step, compare_rules, length_drift  # noqa: E402
 
@@ -26,7 +26,7 @@ seqs = [(list(range(3, 7 + int(n))), 4) for n in lengths]
 for loo in (False, True):
     run = Path(sys.argv[1]) / f"lab-token-loo{int(loo)}"
     run.mkdir()
-    (run / "args.json").write_text(json.dumps({**vars(T.parse_args(["--model", "lab", "--agg", "token"])),
+    (run / "args.json").write_text(json.dumps({**vars(train_grpo.parse_args(["--model", "lab", "--agg", "token"])),
                                                "leave_one_out": loo}))
     args = length_drift.run_args(run)  # what every tool reads of a run
     grad = compare_rules.step_gradient(model, seqs, rewards, args)

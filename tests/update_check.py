@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import train_grpo as T  # noqa: E402
+import train_grpo  # noqa: E402
 from grpo_utils import checkpoints, distributed  # noqa: E402
 from grpo_utils.batching import ATTENTION_CALLS, attention_kind, micro_batching  # noqa: E402
 from grpo_utils.checkpoints import checkpoint_problem  # noqa: E402
@@ -71,17 +71,17 @@ def update(engine, ref_engine, args, batching, step: int, rank: int, device) -> 
     rollouts = synthetic_rollouts(n, args.max_prompt_len, args.max_response_len, engine.module.config.vocab_size,
                                   seed=10_000 * step + rank)
     rewards = torch.tensor([float((7 * i + step) % 3 == 0) for i in range(n)], dtype=torch.float64)
-    adv = T.group_advantages(rewards, args.group_size)
+    adv = train_grpo.group_advantages(rewards, args.group_size)
     for r, a in zip(rollouts, adv.tolist()):
         r["advantage"] = a
-    T.fill_logprobs(engine, rollouts, "old_logp", args, batching, device)
-    T.fill_logprobs(ref_engine, rollouts, "ref_logp", args, batching, device)
-    weights = T.loss_weights(adv, rollouts, args)
+    train_grpo.fill_logprobs(engine, rollouts, "old_logp", args, batching, device)
+    train_grpo.fill_logprobs(ref_engine, rollouts, "ref_logp", args, batching, device)
+    weights = train_grpo.loss_weights(adv, rollouts, args)
     engine.train()
     sums, per_mb = {}, n // args.minibatches
     for mb in range(args.minibatches):
         part = slice(mb * per_mb, (mb + 1) * per_mb)
-        for k, v in T.update_minibatch(engine, rollouts[part], weights[part], args, batching, device).items():
+        for k, v in train_grpo.update_minibatch(engine, rollouts[part], weights[part], args, batching, device).items():
             sums[k] = sums.get(k, 0.0) + v
     return sums
 
@@ -136,26 +136,26 @@ def main() -> None:
     if rank == 0:
         random_model(a.shape, model_dir, a.prompt_len + a.response_len)
     dist.barrier()
-    args = T.parse_args(["--model", str(model_dir), "--output-dir", str(out / "run"), "--group-size", "4",
-                         "--prompts-per-step", str(a.prompts_per_rank * world), "--minibatches", "2",
-                         "--logprob-chunk", "64", "--kl-coef", "0.01",
-                         "--gradient-checkpointing", "--lr", a.lr, "--lr-warmup-steps", "0",
-                         "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len),
-                         "--lora-rank", str(a.lora_rank)]
-                        + ["--deterministic"] * a.deterministic
-                        + (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens is not None
-                           else []))
-    check_args(args, world, T.POLICY_LOSS_DEFAULTS[args.policy_loss], T.OFFLINE_DEFAULTS)
+    args = train_grpo.parse_args(["--model", str(model_dir), "--output-dir", str(out / "run"), "--group-size", "4",
+                                  "--prompts-per-step", str(a.prompts_per_rank * world), "--minibatches", "2",
+                                  "--logprob-chunk", "64", "--kl-coef", "0.01",
+                                  "--gradient-checkpointing", "--lr", a.lr, "--lr-warmup-steps", "0",
+                                  "--max-prompt-len", str(a.prompt_len), "--max-response-len", str(a.response_len),
+                                  "--lora-rank", str(a.lora_rank)]
+                                 + ["--deterministic"] * a.deterministic
+                                 + (["--micro-batch-tokens", str(a.micro_batch_tokens)]
+                                    if a.micro_batch_tokens is not None else []))
+    check_args(args, world, train_grpo.POLICY_LOSS_DEFAULTS[args.policy_loss], train_grpo.OFFLINE_DEFAULTS)
     batching = micro_batching(args)  # pad id 0
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    engine, ref_engine = T.build_trainer(args, str(model_dir), T.deepspeed_config(args, world))
+    engine, ref_engine = train_grpo.build_trainer(args, str(model_dir), train_grpo.deepspeed_config(args, world))
     memory = None
     if batching.micro_batch_tokens is None:  # CUDA: as the trainer sizes it at its first update
         batching.micro_batch_tokens, memory = measured_budget(engine, args, a.prompt_len + a.response_len)
     held = torch.cuda.memory_allocated() if cuda else 0
     # what the optimizer has yet to make (Adam's moments, at its first step): part of the peak from then on
-    to_come = T.states_to_come(engine, memory) if memory is not None else 0.0
+    to_come = train_grpo.states_to_come(engine, memory) if memory is not None else 0.0
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     optimizer = engine.optimizer.optimizer
     result = {"rank": rank, "world": world, "shape": a.shape, "device": str(device),
@@ -174,13 +174,13 @@ def main() -> None:
     result["step_s"] = time.time() - t0
     root = out / "run" / "checkpoints"
     checkpoints.save_checkpoint(engine, tokenizer, root, 1, {"step": 1, "order": [], "bad_streak": 0}, rank,
-                                keep_last=2, weights=T.policy_weights(engine))
+                                keep_last=2, weights=train_grpo.policy_weights(engine))
     saved = master_weights(engine)
     straight = update(engine, ref_engine, args, batching, 2, rank, device)
     after = master_weights(engine)
 
     result["checkpoint_problem"] = checkpoint_problem(root / "step_000001", world)
-    result["resumed_step"] = T.load_training_state(engine, root / "step_000001", rank, args)["step"]
+    result["resumed_step"] = train_grpo.load_training_state(engine, root / "step_000001", rank, args)["step"]
     loaded = master_weights(engine)
     again = update(engine, ref_engine, args, batching, 2, rank, device)
     redone = master_weights(engine)
@@ -191,7 +191,7 @@ def main() -> None:
         redone_diff=max((x - b).abs().max().item() for b, x in zip(after, redone)),
         redo_rel=relative_distance(redone, after, saved), tolerance=REDO_TOLERANCE, faults={})
     for fault in FAULTS:  # the same redo from a resume broken on purpose: the criterion must catch it
-        T.load_training_state(engine, root / "step_000001", rank, args)
+        train_grpo.load_training_state(engine, root / "step_000001", rank, args)
         break_resume(engine, fault)
         update(engine, ref_engine, args, batching, 2, rank, device)
         result["faults"][fault] = relative_distance(master_weights(engine), after, saved)
@@ -226,4 +226,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    T.exit_without_teardown()  # every rank is past the last barrier; gloo's teardown at exit can abort
+    train_grpo.exit_without_teardown()  # every rank is past the last barrier; gloo's teardown at exit can abort
