@@ -224,17 +224,28 @@ def code_reward(response: str, tests: dict | str, partial: bool = False, timeout
 # Batch scoring in persistent worker processes with a hard per-item timeout
 
 
-# The reward kinds, each with the key of a dataset row that its responses are scored against. A new kind: an entry
-# here, its branch in score_one, a check of its rows in data/prepare.rows_from and its prompt in data/templates.py.
-REFERENCE_KEY = {"math": "answer", "code": "tests"}
+def score_math(response: str, answer, partial: bool, timeout: float) -> float:
+    return math_reward(response, str(answer))  # all or nothing, within MATH_TIMEOUT_S whatever `timeout` says
+
+
+CODE_INSTRUCTION = "Write your solution as a complete program or function in one ```python code block."
+
+# The reward kinds, each in one entry: the key of a dataset row its responses are scored against ("reference"),
+# its scorer (response, reference, partial, timeout) -> a score in [0, 1], run in a scoring worker under the
+# batch's hard deadline, and the instruction its prompts end with under every template ("instruction"; None: the
+# template's own, as math's). data/prepare.py checks a kind's rows by it, data/templates.py renders their
+# prompts, compute_rewards scores them: a new kind is an entry here and nothing else (tests/test_fork_a_kind.py).
+KINDS = {
+    "math": {"reference": "answer", "score": score_math, "instruction": None},
+    "code": {"reference": "tests", "score": score_code, "instruction": CODE_INSTRUCTION},
+}
+REFERENCE_KEY = {kind: spec["reference"] for kind, spec in KINDS.items()}
 
 
 def score_one(response: str, reference, kind: str, partial: bool = False, timeout: float = CODE_TIMEOUT_S) -> float:
-    if kind == "math":
-        return math_reward(response, str(reference))
-    if kind == "code":
-        return score_code(response, reference, partial, timeout)
-    raise ValueError(f"unknown reward kind {kind!r} (expected one of {', '.join(REFERENCE_KEY)})")
+    if kind not in KINDS:
+        raise ValueError(f"unknown reward kind {kind!r} (expected one of {', '.join(KINDS)})")
+    return KINDS[kind]["score"](response, reference, partial, timeout)
 
 
 class _ItimerSpec(ctypes.Structure):  # struct itimerspec: the interval, then the first expiry (s, ns)
@@ -330,7 +341,7 @@ def shutdown() -> None:
 
 
 def reference(row: dict):
-    """What a dataset row's responses are scored against: its answer (math) or its tests (code)."""
+    """What a dataset row's responses are scored against: its kind's reference key (KINDS)."""
     return row[REFERENCE_KEY[row["kind"]]]
 
 
@@ -349,8 +360,8 @@ def compute_rewards(
     if not (len(responses) == len(references) == len(kinds)):
         raise ValueError("compute_rewards: responses, references and kinds differ in length")
     for k in set(kinds):
-        if k not in REFERENCE_KEY:
-            raise ValueError(f"unknown reward kind {k!r} (expected one of {', '.join(REFERENCE_KEY)})")
+        if k not in KINDS:
+            raise ValueError(f"unknown reward kind {k!r} (expected one of {', '.join(KINDS)})")
     if "code" in kinds:
         sandbox_mode()  # fail closed here, in the caller, not as a silent 0 in every worker
     scores = [0.0] * len(responses)

@@ -316,12 +316,14 @@ def rows_from(raw, source: str, train: bool = False) -> list[dict]:
         raw = _dedupe_arrow(raw, source)
     out = []
     for i, row in enumerate(raw):
+        if "prompt" in row and "kind" in row and row["kind"] not in REFERENCE_KEY:
+            raise ValueError(f"{source}: row {i} is of kind {row['kind']!r}, which rewards.KINDS does not declare "
+                             f"({', '.join(REFERENCE_KEY)})")
         if _is_prepared(row):
             tests = row.get("tests")
-            if row["kind"] == "math" and (row.get("answer") is None or str(row["answer"]).strip() == ""):
-                raise ValueError(f"{source}: row {i} has no 'answer' (every math row needs a reference answer)")
-            if row["kind"] == "code" and not tests:
-                raise ValueError(f"{source}: row {i} has no 'tests' (every code row needs tests)")
+            key = REFERENCE_KEY[row["kind"]]
+            if row.get(key) is None or str(row[key]).strip() in ("", "{}", "[]"):
+                raise ValueError(f"{source}: row {i} has no '{key}' (every {row['kind']} row needs its {key})")
             out.append({**row, "id": str(row.get("id") or f"{source}/{i}"),
                         "tests": json.loads(tests) if isinstance(tests, str) else tests})
         else:

@@ -6,6 +6,8 @@ decides how it is shown to the model. Pick one with `--template NAME`.
 
 from __future__ import annotations
 
+from rewards import KINDS
+
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 # DAPO-Math-17k's own user prompt (the prepared DAPO rows already carry it verbatim).
@@ -17,9 +19,8 @@ DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 TEMPLATES = ("plain", "chat", "boxed", "dapo")
 
-# Code rows (kind "code") get this instead of any math instruction, under every template. Rows
-# with stdin/stdout tests also carry data.prepare.STDIN_INSTRUCTION in their prompt.
-CODE_INSTRUCTION = "Write your solution as a complete program or function in one ```python code block."
+# A kind with an instruction of its own (rewards.KINDS: code's, CODE_INSTRUCTION) gets it instead of any math
+# instruction, under every template. Code rows with stdin/stdout tests also carry data.prepare.STDIN_INSTRUCTION.
 
 
 def _chat(tokenizer, content: str) -> str:
@@ -40,14 +41,16 @@ def render_prompt(prompt: str, template: str, tokenizer=None, kind: str = "math"
            `Answer:` instruction this way).
     boxed: chat template, prompt + the Qwen-Math "\\boxed{}" instruction.
     dapo:  chat template, prompt wrapped in DAPO's prefix/suffix unless it already has them.
-    Code rows (kind "code"): the prompt + CODE_INSTRUCTION, in the chat template (chat, boxed,
-    dapo) or as "Question: ...\\nSolution:" (plain); never a math instruction.
+    A kind with its own instruction (code's CODE_INSTRUCTION, rewards.KINDS): the prompt + it, in the chat
+    template (chat, boxed, dapo) or as "Question: ...\\nSolution:" (plain); never a math instruction.
     """
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; choose one of {', '.join(TEMPLATES)}")
-    if kind == "code":
-        if CODE_INSTRUCTION not in prompt:
-            prompt = f"{prompt}\n\n{CODE_INSTRUCTION}"
+    if kind not in KINDS:
+        raise ValueError(f"unknown reward kind {kind!r}; one of {', '.join(KINDS)}")
+    if instruction := KINDS[kind]["instruction"]:
+        if instruction not in prompt:
+            prompt = f"{prompt}\n\n{instruction}"
         return f"Question: {prompt}\nSolution:" if template == "plain" else _chat(tokenizer, prompt)
     if template == "plain":
         return f"Question: {prompt}\nAnswer:"

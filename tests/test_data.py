@@ -7,8 +7,8 @@ from conftest import BENCHMARKS
 
 from data import prepare
 from data.prepare import DATASETS, STDIN_INSTRUCTION, convert, dedupe, load_rows
-from data.templates import CODE_INSTRUCTION, DAPO_PREFIX, DAPO_SUFFIX, TEMPLATES, render_prompt
-from rewards import compute_rewards
+from data.templates import DAPO_PREFIX, DAPO_SUFFIX, TEMPLATES, render_prompt
+from rewards import CODE_INSTRUCTION, compute_rewards
 
 
 @pytest.mark.parametrize("name,count,kind", [
