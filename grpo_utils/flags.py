@@ -131,13 +131,16 @@ def check_args(args: argparse.Namespace, world: int, loss_params: dict, offline_
     if "lora_alpha" in getattr(args, "flags_given", ()) and not args.lora_rank:
         raise ValueError("--lora-alpha scales LoRA's adapters, which only --lora-rank R > 0 adds (without it the run "
                          "is full fine-tuning): give --lora-rank R, or drop --lora-alpha")
-    hidden = (model_config(args.model, offline_models) or {}).get("hidden_size")
-    if args.lora_rank and isinstance(hidden, int) and args.lora_rank > hidden:
-        raise ValueError(f"--lora-rank must be at most the model's hidden size, {hidden} (got {args.lora_rank}): B A "
-                         "of a higher rank spans no more updates, and its adapters outgrow the model")
     if "overlong_penalty" in getattr(args, "flags_given", ()) and not args.overlong_buffer:
         raise ValueError("--overlong-penalty has no effect without --overlong-buffer N (the last N tokens before "
                          "--max-response-len, over which the penalty grows to it)")
+    check_batch_shape(args, world)
+    check_model(args, offline_models)
+    check_environment(args)
+
+
+def check_batch_shape(args: argparse.Namespace, world: int) -> None:
+    """Groups, prompts per step, ranks and mini-batches that divide as a step deals them."""
     if args.group_size < 2:
         raise ValueError("--group-size must be at least 2: group advantages compare a response with its siblings")
     if args.prompts_per_step < world:
@@ -149,12 +152,24 @@ def check_args(args: argparse.Namespace, world: int, loss_params: dict, offline_
         raise ValueError(
             f"each rank's {per_rank} prompts per step do not split into --minibatches {args.minibatches}"
         )
+
+
+def check_model(args: argparse.Namespace, offline_models) -> None:
+    """--model names an offline policy, a hub id or a checkpoint directory that loads; LoRA's rank fits it."""
     if not args.model.strip():
         raise ValueError("--model is empty (need a checkpoint dir, a hub id, or demo / lab / lab-nogap)")
     if args.model not in offline_models and not os.path.isdir(args.model) and not is_hub_id(args.model):
         raise ValueError(f"--model {args.model}: no such directory (need a checkpoint dir or a hub id)")
     if args.model not in offline_models and os.path.isdir(args.model) and (problem := model_dir_problem(args.model)):
         raise ValueError(f"--model {args.model}: {problem}")
+    hidden = (model_config(args.model, offline_models) or {}).get("hidden_size")
+    if args.lora_rank and isinstance(hidden, int) and args.lora_rank > hidden:
+        raise ValueError(f"--lora-rank must be at most the model's hidden size, {hidden} (got {args.lora_rank}): B A "
+                         "of a higher rank spans no more updates, and its adapters outgrow the model")
+
+
+def check_environment(args: argparse.Namespace) -> None:
+    """What the launch's environment must provide: an accelerator DeepSpeed knows, the loggers asked for."""
     accelerator = os.environ.get("DS_ACCELERATOR")
     if accelerator is not None and accelerator not in ("cuda", "cpu", "xpu", "npu", "mps", "hpu", "mlu"):
         raise ValueError(f"DS_ACCELERATOR={accelerator} is not an accelerator DeepSpeed knows (cpu, cuda, ...)")
