@@ -1,6 +1,7 @@
 import functools
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,3 +222,20 @@ def check_output_dir(args, out_dir: Path, world: int) -> list[Path]:
 
     defaults = vars(train_grpo.parse_args(["--model", args.model]))
     return run_dir.check_output_dir(args, out_dir, world, defaults)[0]
+
+
+def project_copy(tmp_path: Path, file: str, edits: list[tuple[str, str]]) -> Path:
+    """A copy of the project (its data, sandbox and caches linked) with `file` edited as a forker would edit it:
+    each (old, new) of `edits` replaces text found exactly once."""
+    copy = tmp_path / "fork"
+    shutil.copytree(ROOT, copy, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "runs", "data", "sandboxed", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache"))
+    for name in ("data", "sandboxed", ".cache"):
+        if (ROOT / name).exists():
+            (copy / name).symlink_to(ROOT / name)
+    text = (copy / file).read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, f"the edit's anchor moved: {old[:60]!r}"
+        text = text.replace(old, new)
+    (copy / file).write_text(text)
+    return copy

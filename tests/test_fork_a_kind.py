@@ -9,12 +9,11 @@ the kind anywhere, fails the test).
 """
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, cpu_env
+from conftest import ROOT, cpu_env, project_copy
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +27,8 @@ ENTRY = '    "graded": {"reference": "answer", "score": score_graded, "instructi
 
 
 def fork(tmp_path):
-    """A copy of the project (its data, sandbox and caches linked) with "graded" added in rewards.py."""
-    copy = tmp_path / "fork"
-    shutil.copytree(ROOT, copy, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "runs", "data", "sandboxed", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache"))
-    for name in ("data", "sandboxed", ".cache"):
-        if (ROOT / name).exists():
-            (copy / name).symlink_to(ROOT / name)
-    rewards = (copy / "rewards.py").read_text()
-    assert rewards.count(KINDS) == 1, "the edit's anchor moved"
-    (copy / "rewards.py").write_text(rewards.replace(KINDS, SCORER + KINDS + ENTRY))
-    return copy
+    """A copy of the project with "graded" added in rewards.py."""
+    return project_copy(tmp_path, "rewards.py", [(KINDS, SCORER + KINDS + ENTRY)])
 
 
 def graded_rows(spec: str, path, limit: int) -> str:

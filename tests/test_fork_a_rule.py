@@ -11,12 +11,11 @@ be 4x off); `reproduce --list` prints what it prints for the project as it is.
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, cpu_env
+from conftest import ROOT, cpu_env, project_copy
 
 pytestmark = pytest.mark.slow
 
@@ -35,19 +34,8 @@ EDITS = [(AGGS, AGGS.replace('"seq-sum"]', '"seq-sum", "foo"]')),
 
 
 def fork(tmp_path):
-    """A copy of the project (its data, sandbox and caches linked) with foo added in train_grpo.py."""
-    copy = tmp_path / "fork"
-    shutil.copytree(ROOT, copy, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "runs", "data", "sandboxed", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache"))
-    for name in ("data", "sandboxed", ".cache"):
-        if (ROOT / name).exists():
-            (copy / name).symlink_to(ROOT / name)
-    trainer = (copy / "train_grpo.py").read_text()
-    for old, new in EDITS:
-        assert trainer.count(old) == 1, f"the edit's anchor moved: {old[:60]!r}"
-        trainer = trainer.replace(old, new)
-    (copy / "train_grpo.py").write_text(trainer)
-    return copy
+    """A copy of the project with foo added in train_grpo.py."""
+    return project_copy(tmp_path, "train_grpo.py", EDITS)
 
 
 def run(cwd, *argv, timeout=900) -> subprocess.CompletedProcess:
